@@ -1,0 +1,122 @@
+"""Linear layers with a pluggable weight format (the linear-method seam).
+
+A `Linear` owns no weights itself: its `LinearMethod` creates them, loads checkpoint tensors
+into them (one output shard at a time, so q/k/v or gate/up can be fused into one matmul), may
+repack them after loading, and computes `y = x W^T + b`. Dense bf16/fp32 weights are one
+method; each quantized format (kiln.quant) is another, registered by name.
+
+Contract of a method, in lifecycle order:
+  1. `create_weights(layer, in_features, out_shards, bias, dtype)` registers parameters or
+     buffers on `layer` (never allocates on a device other than CPU).
+  2. `load_shard(layer, shard, name, tensor)` is called once per checkpoint tensor; `shard` is
+     the output shard index (0 for unfused layers) and `name` the tensor's suffix in the HF
+     checkpoint ("weight", "bias", or a format's own names such as "weight_scale").
+  3. `finalize(layer)` runs once after every tensor is loaded (repacking, checks).
+  4. `apply(layer, x)` maps [..., in_features] to [..., out_features]; it must not mutate
+     `layer` and may be called from any step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearMethod(Protocol):
+    def create_weights(self, layer: Linear, in_features: int, out_shards: Sequence[int],
+                       bias: bool, dtype: torch.dtype) -> None: ...
+
+    def load_shard(self, layer: Linear, shard: int, name: str, tensor: torch.Tensor) -> None: ...
+
+    def finalize(self, layer: Linear) -> None: ...
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
+
+
+_METHODS: dict[str, Callable[[], LinearMethod]] = {}
+
+
+def register_linear_method(name: str) -> Callable:
+    """Class decorator: make a LinearMethod constructible by name (e.g. "int8")."""
+    def wrap(cls):
+        _METHODS[name] = cls
+        return cls
+    return wrap
+
+
+def get_linear_method(name: str) -> LinearMethod:
+    if name not in _METHODS:
+        _import_plugins()
+    if name not in _METHODS:
+        raise ValueError(f"unknown weight format {name!r}; known: {', '.join(sorted(_METHODS))}")
+    return _METHODS[name]()
+
+
+def available_linear_methods() -> list[str]:
+    _import_plugins()
+    return sorted(_METHODS)
+
+
+def _import_plugins() -> None:
+    try:  # quantized formats register themselves on import
+        import kiln.quant  # noqa: F401
+    except ImportError:
+        pass
+
+
+def shard_rows(out_shards: Sequence[int], shard: int) -> slice:
+    start = sum(out_shards[:shard])
+    return slice(start, start + out_shards[shard])
+
+
+@register_linear_method("dense")
+class DenseLinearMethod:
+    """Plain weights in the model dtype: one [out, in] matrix, shards stacked by rows."""
+
+    def create_weights(self, layer, in_features, out_shards, bias, dtype):
+        out = sum(out_shards)
+        layer.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
+        layer.bias = (nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False)
+                      if bias else None)
+
+    def load_shard(self, layer, shard, name, tensor):
+        target = {"weight": layer.weight, "bias": layer.bias}.get(name)
+        if target is None:
+            raise ValueError(f"dense linear has no tensor {name!r}")
+        rows = shard_rows(layer.out_shards, shard)
+        expected = target[rows].shape
+        if tuple(tensor.shape) != tuple(expected):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(expected)}")
+        with torch.no_grad():
+            target[rows].copy_(tensor)
+
+    def finalize(self, layer):
+        pass
+
+    def apply(self, layer, x):
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class Linear(nn.Module):
+    """y = x W^T + b, with W stored however `method` chooses; `out_shards` lists fused outputs."""
+
+    def __init__(self, in_features: int, out_shards: int | Sequence[int], bias: bool = False,
+                 dtype: torch.dtype = torch.float32, method: LinearMethod | None = None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_shards = [out_shards] if isinstance(out_shards, int) else list(out_shards)
+        self.out_features = sum(self.out_shards)
+        self.method = method or DenseLinearMethod()
+        self.method.create_weights(self, in_features, self.out_shards, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_shards}, "
+                f"method={type(self.method).__name__}")
