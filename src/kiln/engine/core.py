@@ -1,0 +1,159 @@
+"""EngineCore: the step loop's body. schedule -> run -> update, plus add and abort.
+
+`step()` is synchronous and single-threaded; the worker process (kiln.cluster) and the offline
+`LLM` both drive it. Requests enter as `EngineRequest` (token ids, already validated against
+the model's limits here) and leave as `EngineCoreOutput`s carrying new token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from kiln.config import EngineConfig
+from kiln.engine.kv_manager import KVCacheManager, KVCacheStats
+from kiln.engine.outputs import EngineCoreOutput, RunnerOutput
+from kiln.engine.request import Request, RequestStatus
+from kiln.engine.scheduler import Scheduler
+from kiln.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineRequest(msgspec.Struct, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take; `param` and `code` follow the OpenAI error shape."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class StepStats:
+    num_running: int
+    num_waiting: int
+    num_batched_tokens: int
+    kv: KVCacheStats
+    num_preemptions: int
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None:
+        from kiln.models.default import default_model_path
+        return str(default_model_path())
+    return model
+
+
+def eos_token_ids(model_path: str, hf_config: dict) -> frozenset[int]:
+    """EOS ids from generation_config.json (which may list several), else config.json."""
+    ids = hf_config.get("eos_token_id")
+    gen_file = Path(model_path) / "generation_config.json"
+    if gen_file.is_file():
+        ids = json.loads(gen_file.read_text()).get("eos_token_id", ids)
+    if ids is None:
+        return frozenset()
+    return frozenset(ids if isinstance(ids, list) else [ids])
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, emit_kv_events: bool = False):
+        from kiln.models.loader import read_hf_config
+        from kiln.runner.model_runner import ModelRunner, num_kv_blocks
+
+        self.config = config
+        self.model_path = resolve_model_path(config.model.model)
+        hf_config = read_hf_config(self.model_path)
+        self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
+        self.runner = ModelRunner(config.model, self.model_path, config.cache, config.parallel,
+                                  self.eos_token_ids)
+        self.max_model_len = self._resolve_max_model_len(self.runner.hf_config)
+        self.vocab_size = self.runner.vocab_size
+        num_blocks = num_kv_blocks(self.runner.kv_spec, config.cache, self.max_model_len,
+                                   config.scheduler.max_num_seqs)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(config.cache, num_blocks, emit_events=emit_kv_events)
+        self.scheduler = Scheduler(self._scheduler_config(), self.kv, self.max_model_len)
+        log.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
+                 self.model_path, num_blocks, config.cache.block_size, self.max_model_len)
+
+    def _resolve_max_model_len(self, hf_config: dict) -> int:
+        limit = hf_config.get("max_position_embeddings", 2048)
+        window = hf_config.get("sliding_window")
+        if window and hf_config.get("use_sliding_window", True) and window < limit:
+            log.info("sliding window %d: max_model_len capped to it (no windowed attention)",
+                     window)
+            limit = window
+        wanted = self.config.model.max_model_len
+        if wanted is not None and wanted > limit:
+            raise ValueError(f"max_model_len {wanted} exceeds the model's limit of {limit}")
+        return wanted or limit
+
+    def _scheduler_config(self):
+        sc = self.config.scheduler
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
+            from dataclasses import replace
+            return replace(sc, max_num_batched_tokens=self.max_model_len)
+        return sc
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(self, req: EngineRequest) -> None:
+        self.validate(req.prompt_token_ids, req.params)
+        self.scheduler.add_request(Request(
+            req.request_id, req.prompt_token_ids, req.params, self.eos_token_ids,
+            priority=req.priority, cache_salt=req.cache_salt))
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError for a prompt this engine can never serve."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty", param="prompt")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary "
+                               f"[0, {self.vocab_size})", param="prompt")
+        max_tokens = params.max_tokens or 1
+        if n + max_tokens > self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"request needs {n + max_tokens} ({n} in the prompt + {max_tokens} to generate)",
+                param="max_tokens" if n < self.max_model_len else "prompt",
+                code="context_length_exceeded")
+        blocks = self.kv.blocks_needed(n + max_tokens)
+        if blocks > self.kv.pool.num_blocks:
+            raise RequestError(
+                f"the request needs {blocks} KV blocks but the cache holds "
+                f"{self.kv.pool.num_blocks}; lower max_tokens or raise kv_cache_memory",
+                param="max_tokens", code="context_length_exceeded")
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            self.runner.release(sched.finished_ids)
+            return self.scheduler.update(sched, RunnerOutput([]))
+        return self.scheduler.update(sched, self.runner.execute(sched))
+
+    def stats(self) -> StepStats:
+        return StepStats(self.scheduler.num_running, self.scheduler.num_waiting, 0,
+                         self.kv.stats(), self.scheduler.num_preemptions)

@@ -1,0 +1,261 @@
+"""Token-budget continuous batching: a pure CPU state machine with a two-call contract.
+
+`schedule()` decides how many tokens each request advances this step and returns a
+`SchedulerOutput`; the runner executes it; `update(scheduler_output, runner_output)` consumes
+the sampled tokens and returns one `EngineCoreOutput` per request that produced tokens or
+finished. Between the two calls nothing else may mutate the scheduler.
+
+Policy per step, under `max_num_batched_tokens`:
+  1. Running requests first, in admission order (decodes cost 1 token, or 1 + drafts; a
+     request mid-prefill gets the next chunk). When the KV pool runs out, the lowest-priority
+     running request is preempted (its blocks freed; it will recompute) until the request fits.
+  2. Then waiting requests in priority/arrival order, while budget, sequence slots and blocks
+     last; prefix-cache hits count as already computed; long prompts are chunked.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kiln.config import SchedulerConfig
+from kiln.engine.kv_manager import KVCacheManager
+from kiln.engine.outputs import EngineCoreOutput, RunnerOutput
+from kiln.engine.request import Request, RequestStatus
+from kiln.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step. Lists are read-only views valid for this step only."""
+
+    request_id: str
+    token_ids: list[int]  # tokens to compute this step; the last `num_draft_tokens` are drafts
+    start_pos: int  # position of token_ids[0] = tokens already in the KV cache
+    num_draft_tokens: int
+    block_ids: list[int]  # the request's whole block table
+    samples: bool  # the step reaches the request's last known token, so it yields tokens
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    prompt_logprobs: bool  # compute logprobs of the prompt tokens in this chunk
+    grammar: object | None = None  # structured-output matcher (kiln.structured), if any
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    finished_ids: list[str] = field(default_factory=list)  # runner may drop their state
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self._waiting: list[tuple[tuple, int, Request]] = []  # heap of (sort key, seq, request)
+        self._counter = itertools.count()
+        self._finished_ids: list[str] = []
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self.num_preemptions = 0
+
+    # -- intake ---------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self._waiting or self._pending_outputs)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        key = request.sort_key() if self.config.policy == "priority" else (request.arrival_time,)
+        heapq.heappush(self._waiting, (key, next(self._counter), request))
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step (abort); their final output comes next step."""
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self._waiting = [e for e in self._waiting if e[2] is not request]
+                heapq.heapify(self._waiting)
+            self._finish(request, status)
+            self._pending_outputs.append(EngineCoreOutput(
+                request_id=rid, new_token_ids=[], finish_reason=status.finish_reason,
+                num_cached_tokens=request.num_cached_tokens or 0))
+
+    # -- schedule -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preemptions_before = self.num_preemptions
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, scheduled):
+                continue
+            scheduled.append(self._describe(request, num_new))
+            budget -= num_new
+        if self.num_preemptions == preemptions_before:
+            budget = self._admit_waiting(scheduled, budget)
+        out = SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget,
+                              self._finished_ids)
+        self._finished_ids = []
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int,
+                             scheduled: list[ScheduledRequest]) -> bool:
+        """Allocate, preempting requests not yet scheduled this step (possibly `request`)."""
+        while not self.kv.allocate(request, num_new):
+            taken = {s.request_id for s in scheduled}
+            candidates = [r for r in self.running if r.request_id not in taken]
+            victim = (max(candidates, key=lambda r: r.sort_key())
+                      if self.config.policy == "priority" else candidates[-1])
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(request)
+
+    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._waiting[0][2]
+            cached = self.kv.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = request.num_tokens - num_cached
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate(request, num_new, cached):
+                break
+            heapq.heappop(self._waiting)
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._describe(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        known = request.num_tokens
+        drafts = max(0, end - known)
+        tokens = request.all_token_ids[start:min(end, known)]
+        if drafts:
+            tokens = tokens + request.spec_token_ids[:drafts]
+        return ScheduledRequest(
+            request_id=request.request_id, token_ids=tokens, start_pos=start,
+            num_draft_tokens=drafts, block_ids=self.kv.block_ids(request.request_id),
+            samples=end >= known, params=request.params,
+            prompt_token_ids=request.prompt_token_ids, output_token_ids=request.output_token_ids,
+            prompt_logprobs=request.params.prompt_logprobs is not None
+            and start < request.num_prompt_tokens,
+            grammar=getattr(request, "grammar", None))
+
+    # -- update ---------------------------------------------------------------------------
+
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for i, item in enumerate(sched.scheduled):
+            request = self.requests.get(item.request_id)
+            if request is None or request.is_finished:
+                continue
+            out = self._advance(request, item, result, i)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _advance(self, request: Request, item: ScheduledRequest, result: RunnerOutput,
+                 i: int) -> EngineCoreOutput | None:
+        request.num_computed_tokens += len(item.token_ids)
+        prompt_lp = result.prompt_logprobs[i] if result.prompt_logprobs else None
+        if not item.samples:
+            return EngineCoreOutput(request.request_id, [], prompt_logprobs=prompt_lp) \
+                if prompt_lp else None
+        sampled = result.sampled_token_ids[i]
+        if item.num_draft_tokens:
+            rejected = item.num_draft_tokens + 1 - len(sampled)
+            request.num_computed_tokens -= rejected
+            self.kv.trim(request, request.num_computed_tokens + 1)
+        request.spec_token_ids = []
+        new_tokens: list[int] = []
+        for token in sampled:
+            request.append_output_token(token)
+            new_tokens.append(token)
+            if self._check_stop(request, token):
+                break
+        logprobs = result.logprobs[i][:len(new_tokens)] if result.logprobs else None
+        return EngineCoreOutput(
+            request.request_id, new_tokens, logprobs=logprobs, prompt_logprobs=prompt_lp,
+            finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            num_draft_tokens=item.num_draft_tokens,
+            num_accepted_tokens=max(0, len(sampled) - 1) if item.num_draft_tokens else 0)
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        params = request.params
+        status = None
+        if token in request.eos_token_ids and not params.ignore_eos:
+            status = RequestStatus.FINISHED_STOPPED
+        elif token in params.stop_token_ids:
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        elif request.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None:
+            return False
+        self.running.remove(request)
+        self._finish(request, status)
+        return True
+
+    def stop_request(self, request: Request, status: RequestStatus) -> None:
+        """End a running request from a guard inside the step loop (e.g. repetition)."""
+        if request in self.running:
+            self.running.remove(request)
+        self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        self._finished_ids.append(request.request_id)
+        del self.requests[request.request_id]

@@ -1,0 +1,62 @@
+"""Rotary position embeddings (rotate-half layout, as HF Llama/Qwen) with precomputed tables.
+
+Scaling types: default, `linear` (positions divided by a factor) and `llama3` (low
+frequencies slowed, high frequencies kept, a smooth ramp between).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """[head_dim / 2] angular frequencies, after the checkpoint's rope scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope scaling {rope_type!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_frequencies(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rotary embeddings to q [T, Hq, D] and k [T, Hkv, D] at `positions` [T]."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict | None = None, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.int64).float(), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

@@ -1,0 +1,167 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+
+One decoder block, as in the papers: x + Attn(RMSNorm(x)), then h + MLP(RMSNorm(h)), with
+rotary positions on q and k, grouped-query attention, and a SwiGLU MLP. Activations are a flat
+batch of T tokens from any number of sequences; the paged KV cache and per-step attention
+metadata are passed in explicitly. Parameter names follow the HF checkpoints except the fused
+projections (`qkv_proj`, `gate_up_proj`), which the loader fills shard by shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.models.layers.linear import Linear, LinearMethod
+from kiln.models.layers.norm import RMSNorm
+from kiln.models.layers.rotary import RotaryEmbedding
+from kiln.runner.attention import AttentionBackend
+
+# HF checkpoint module name -> (fused kiln module, shard index)
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+MethodFor = Callable[[str], LinearMethod | None]  # module prefix -> weight format (None = dense)
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    """The shape of a Llama-family model, read from an HF config.json."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict, arch: str) -> LlamaArch:
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default")
+                                              != "default" else None)
+        heads = cfg["num_attention_heads"]
+        return cls(
+            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab_size=cfg["vocab_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
+            qk_norm=arch == "Qwen3ForCausalLM")
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, a: LlamaArch, prefix: str, method_for: MethodFor, dtype, backend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = Linear(a.hidden_size, self.split, bias=a.qkv_bias, dtype=dtype,
+                               method=method_for(f"{prefix}.qkv_proj"))
+        self.o_proj = Linear(q_size, a.hidden_size, dtype=dtype,
+                             method=method_for(f"{prefix}.o_proj"))
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype)
+        self.qk_norm = a.qk_norm
+        self.backend: AttentionBackend = backend
+        self.scale = a.head_dim ** -0.5
+
+    def forward(self, x, positions, rotary, kv_cache, meta):
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, a: LlamaArch, prefix: str, method_for: MethodFor, dtype):
+        super().__init__()
+        self.gate_up_proj = Linear(a.hidden_size, [a.intermediate_size] * 2, dtype=dtype,
+                                   method=method_for(f"{prefix}.gate_up_proj"))
+        self.down_proj = Linear(a.intermediate_size, a.hidden_size, dtype=dtype,
+                                method=method_for(f"{prefix}.down_proj"))
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, a: LlamaArch, prefix: str, method_for: MethodFor, dtype, backend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(a, f"{prefix}.self_attn", method_for, dtype, backend)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(a, f"{prefix}.mlp", method_for, dtype)
+
+    def forward(self, x, positions, rotary, kv_cache, meta):
+        h = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, a: LlamaArch, method_for: MethodFor, dtype, backend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(a, f"model.layers.{i}", method_for, dtype, backend)
+            for i in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T]) -> hidden [T, H]; compute_logits -> [N, V]."""
+
+    packed_modules = PACKED_MODULES
+
+    def __init__(self, a: LlamaArch, dtype: torch.dtype, backend: AttentionBackend,
+                 method_for: MethodFor = lambda prefix: None):
+        super().__init__()
+        self.arch = a
+        self.model = LlamaModel(a, method_for, dtype, backend)
+        self.rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta,
+                                      a.rope_scaling, dtype)
+        if a.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(a.hidden_size, a.vocab_size, dtype=dtype,
+                                  method=method_for("lm_head"))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rotary, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)

@@ -1,0 +1,148 @@
+"""Load an HF checkpoint directory (config.json + safetensors, sharded or not) into a kiln model.
+
+Weights stream tensor by tensor from the safetensors files into the model's own parameters:
+checkpoint modules listed in the model's `packed_modules` land in one shard of a fused linear
+layer (q/k/v -> qkv_proj, gate/up -> gate_up_proj). Every expected tensor must be present;
+anything wrong with the checkpoint raises `CheckpointError` naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from kiln.models.layers.linear import Linear, LinearMethod, get_linear_method
+from kiln.models.registry import resolve_architecture
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """The model directory or its files are missing, unreadable or inconsistent."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: nn.Module
+    hf_config: dict
+    path: Path
+
+
+def read_hf_config(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"model path {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"model path {str(path)!r} is not a directory")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{str(path)!r} holds no config.json; is it an HF model directory?")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {exc}") from exc
+
+
+def weight_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{str(path)!r} holds no *.safetensors weight files")
+    return files
+
+
+def load_model(path: str | Path, dtype: torch.dtype, backend,
+               quantization: str | None = None) -> LoadedModel:
+    path = Path(path)
+    hf_config = read_hf_config(path)
+    cls, arch = resolve_architecture(hf_config)
+    method_for = _method_chooser(hf_config, quantization)
+    model = cls(arch, dtype=dtype, backend=backend, method_for=method_for)
+    _load_weights(model, path)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.method.finalize(module)
+    return LoadedModel(model.eval(), hf_config, path)
+
+
+def _method_chooser(hf_config: dict, quantization: str | None):
+    """Which weight format each linear layer uses: a checkpoint's own per-layer formats
+    (kiln quantized checkpoints), else `quantization` for all but the LM head, else dense."""
+    layer_formats: dict[str, str] = (hf_config.get("quantization_config") or {}).get(
+        "kiln_layer_formats", {})
+
+    def method_for(prefix: str) -> LinearMethod | None:
+        name = layer_formats.get(prefix)
+        if name is None and quantization and prefix != "lm_head":
+            name = quantization
+        return None if name in (None, "dense") else get_linear_method(name)
+
+    return method_for
+
+
+def _load_weights(model: nn.Module, path: Path) -> None:
+    expected = _expected_tensors(model)
+    loaded: set[str] = set()
+    for file in weight_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    loaded.add(_load_one(model, name, f.get_tensor(name)))
+        except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointError(f"cannot read {file.name}: the file is corrupt or truncated "
+                                  f"({exc})") from exc
+    missing = sorted(expected - loaded)
+    if missing:
+        raise CheckpointError(f"checkpoint {str(path)!r} lacks {len(missing)} tensors, "
+                              f"e.g. {', '.join(missing[:3])}")
+
+
+def _expected_tensors(model: nn.Module) -> set[str]:
+    """Keys that must come from the checkpoint: one per linear shard weight, plus plain params."""
+    expected = set()
+    inverse = {(fused, shard): hf for hf, (fused, shard) in model.packed_modules.items()}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            base, _, leaf = name.rpartition(".")
+            for shard in range(len(module.out_shards)):
+                hf_leaf = inverse.get((leaf, shard), leaf)
+                expected.add(f"{base}.{hf_leaf}" if base else hf_leaf)
+        elif not list(module.children()):
+            for pname, _ in module.named_parameters(recurse=False):
+                expected.add(f"{name}.{pname}")
+    return expected
+
+
+def _load_one(model: nn.Module, name: str, tensor: torch.Tensor) -> str:
+    """Copy one checkpoint tensor into the model; returns the module key it satisfied."""
+    module_path, _, suffix = name.rpartition(".")
+    base, _, leaf = module_path.rpartition(".")
+    if leaf in model.packed_modules:
+        fused, shard = model.packed_modules[leaf]
+        target_path = f"{base}.{fused}"
+    else:
+        target_path, shard = module_path, 0
+    if module_path == "lm_head" and getattr(model, "lm_head", None) is None:
+        return "lm_head"  # tied embeddings: the checkpoint may still carry a copy
+    try:
+        module = model.get_submodule(target_path)
+    except AttributeError as exc:
+        raise CheckpointError(f"checkpoint tensor {name!r} matches no model parameter") from exc
+    if isinstance(module, Linear):
+        module.method.load_shard(module, shard, suffix, tensor)
+        return module_path
+    param = getattr(module, suffix, None)
+    if not isinstance(param, torch.Tensor) or param.shape != tensor.shape:
+        raise CheckpointError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                              f"model expects {None if param is None else tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor)
+    return f"{module_path}.{suffix}"

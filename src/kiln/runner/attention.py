@@ -1,0 +1,118 @@
+"""Paged attention: the torch reference path, and the seam where faster kernels plug in.
+
+The KV cache of one layer is two tensors of shape [num_slots, num_kv_heads, head_dim], where
+slot = block_id * block_size + offset. Each step, every scheduled token's K and V are written
+to its slot first (so a sequence that shares prefix blocks with another scheduled in the same
+step reads them in the same layer), then each query token attends to the keys of its own
+sequence at positions <= its own.
+
+The reference backend pads the flat batch into [num_seqs, max_query_len] queries against
+[num_seqs, max_seq_len] gathered keys with a boolean mask: correct for any mix of prefill
+chunks, decodes and draft tokens, and a few large tensor ops per layer rather than a Python
+loop over sequences. The metadata (index tensors and mask) is built once per step and shared
+by all layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SeqLayout:
+    """Where each scheduled sequence's tokens sit in the flat batch (all [num_seqs], int64)."""
+
+    query_start: torch.Tensor  # first flat index of the sequence's tokens
+    query_lens: torch.Tensor  # tokens computed this step (prefill chunk, 1, or 1 + drafts)
+    context_lens: torch.Tensor  # tokens already in the cache before this step
+    block_table: torch.Tensor  # [num_seqs, max_blocks] block ids, padded with 0
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.context_lens + self.query_lens
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each flat token
+    query_index: torch.Tensor  # [S, Qmax] flat index of each padded query (pads -> 0)
+    key_slots: torch.Tensor  # [S, Kmax] cache slot of each key position (pads -> slot 0)
+    mask: torch.Tensor  # [S, 1, Qmax, Kmax] True where the query may attend the key
+    output_index: torch.Tensor  # [T] row of each flat token in the [S * Qmax] padded output
+
+
+class AttentionBackend(Protocol):
+    def build_metadata(self, layout: SeqLayout, positions: torch.Tensor,
+                       block_size: int) -> TorchAttentionMetadata: ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]; writes k/v into `kv_cache`."""
+        ...
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+
+
+def register_attention_backend(name: str):
+    def wrap(cls):
+        _BACKENDS[name] = cls
+        return cls
+    return wrap
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(_BACKENDS)}")
+    return _BACKENDS[name]()
+
+
+def slot_mapping_for(layout: SeqLayout, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[T] cache slot of each flat token: its sequence's block at position // block_size."""
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(len(layout.query_lens)), layout.query_lens, output_size=len(positions))
+    blocks = layout.block_table[seq_of_token, positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+@register_attention_backend("torch")
+class TorchPagedAttention:
+    """Reference paged attention in plain torch (SDPA over gathered, padded keys)."""
+
+    def build_metadata(self, layout: SeqLayout, positions: torch.Tensor,
+                       block_size: int) -> TorchAttentionMetadata:
+        num_seqs = len(layout.query_lens)
+        q_max = int(layout.query_lens.max())
+        k_max = int(layout.seq_lens.max())
+        q_off = torch.arange(q_max)
+        q_valid = q_off[None, :] < layout.query_lens[:, None]  # [S, Qmax]
+        query_index = torch.where(q_valid, layout.query_start[:, None] + q_off, 0)
+        q_pos = torch.where(q_valid, layout.context_lens[:, None] + q_off, 0)  # pads see key 0
+        k_pos = torch.arange(k_max)
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)  # [S, 1, Qmax, Kmax]
+        k_blocks = layout.block_table[:, (k_pos // block_size).clamp(
+            max=layout.block_table.shape[1] - 1)]
+        key_slots = k_blocks * block_size + k_pos % block_size
+        key_slots = torch.where(k_pos[None, :] < layout.seq_lens[:, None], key_slots, 0)
+        output_index = (torch.arange(num_seqs)[:, None] * q_max + q_off)[q_valid]
+        return TorchAttentionMetadata(
+            slot_mapping=slot_mapping_for(layout, positions, block_size),
+            query_index=query_index, key_slots=key_slots, mask=mask, output_index=output_index)
+
+    def forward(self, q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float):
+        k_cache, v_cache = kv_cache
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        qp = q[meta.query_index].transpose(1, 2)  # [S, Hq, Qmax, D]
+        kp = k_cache[meta.key_slots].transpose(1, 2)  # [S, Hkv, Kmax, D]
+        vp = v_cache[meta.key_slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask, scale=scale,
+                                             enable_gqa=qp.shape[1] != kp.shape[1])
+        num_seqs, heads, q_max, head_dim = out.shape
+        out = out.transpose(1, 2).reshape(num_seqs * q_max, heads * head_dim)
+        return out[meta.output_index]

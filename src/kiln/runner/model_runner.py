@@ -1,0 +1,158 @@
+"""The model runner: SchedulerOutput -> RunnerOutput. Owns the model, the KV cache and sampler.
+
+The only place that builds batch tensors. One `execute` call: build the flat batch, run the
+model once over every scheduled token, compute logits only for the rows that need them, then
+sample (and verify draft tokens) and compute logprobs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kiln.config import CacheConfig, ModelConfig, ParallelConfig, default_num_threads
+from kiln.engine.outputs import RunnerOutput, TokenLogprobs
+from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kiln.models.loader import load_model
+from kiln.runner.attention import get_attention_backend
+from kiln.runner.batch import BatchInputs, LogitsRows, build_batch
+from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+           "auto": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def num_kv_blocks(spec: KVCacheSpec, cache: CacheConfig, max_model_len: int,
+                  max_num_seqs: int) -> int:
+    """Blocks that fit the configured budget, or max_model_len x max_num_seqs tokens (capped)."""
+    if cache.kv_cache_memory is not None:
+        return cache.kv_cache_memory // spec.bytes_per_block
+    wanted = -(-max_model_len // spec.block_size) * max_num_seqs
+    return max(1, min(wanted, cache.max_kv_cache_memory // spec.bytes_per_block))
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, model_path: str, cache: CacheConfig,
+                 parallel: ParallelConfig, eos_token_ids: frozenset[int]):
+        torch.set_num_threads(parallel.num_threads or default_num_threads())
+        self.dtype = resolve_dtype(model_config.dtype)
+        self.backend = get_attention_backend(model_config.attention_backend)
+        loaded = load_model(model_path, self.dtype, self.backend, model_config.quantization)
+        self.model, self.hf_config = loaded.model, loaded.hf_config
+        arch = self.model.arch
+        self.vocab_size = arch.vocab_size
+        self.kv_spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim,
+                                   self.dtype, cache.block_size)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sampler = Sampler(arch.vocab_size, eos_token_ids, model_config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate K and V for every layer once: [num_blocks * block_size, Hkv, D] each.
+        Zeroed, so never-written slots read by padded attention lanes are finite."""
+        s = self.kv_spec
+        shape = (num_blocks * s.block_size, s.num_kv_heads, s.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=s.dtype), torch.zeros(shape, dtype=s.dtype))
+                          for _ in range(s.num_layers)]
+
+    def release(self, request_ids: list[str]) -> None:
+        """Drop per-request state of finished requests."""
+        for rid in request_ids:
+            self._generators.pop(rid, None)
+
+    # -- one step -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self.release(sched.finished_ids)
+        batch = build_batch(sched)
+        meta = self.backend.build_metadata(batch.layout, batch.positions, self.kv_spec.block_size)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden[batch.logits_index]).float()
+        return self._outputs(sched, batch, logits)
+
+    def _outputs(self, sched: SchedulerOutput, batch: BatchInputs,
+                 logits: torch.Tensor) -> RunnerOutput:
+        sampled, logprobs = self._sample(sched.scheduled, batch.rows, logits)
+        prompt_lp = None
+        if any(item.prompt_logprobs for item in sched.scheduled):
+            prompt_lp = [self._prompt_logprobs(item, rows, logits)
+                         for item, rows in zip(sched.scheduled, batch.rows, strict=True)]
+        return RunnerOutput(sampled, logprobs, prompt_lp)
+
+    def _sample(self, scheduled: list[ScheduledRequest], rows: list[LogitsRows],
+                logits: torch.Tensor):
+        """Sample every sampling row, then keep, per request, the drafts that the model's own
+        choices confirm plus one more token. Comparing drafts with tokens drawn from the
+        target distribution is exact for deterministic drafts (greedy or n-gram proposers)."""
+        sample_rows, index, owners = [], [], []
+        for i, (item, r) in enumerate(zip(scheduled, rows, strict=True)):
+            for j in range(r.num_sample):
+                drafts_before = item.token_ids[len(item.token_ids) - item.num_draft_tokens:][:j]
+                sample_rows.append(self._row(item, drafts_before))
+                index.append(r.sample_start + j)
+                owners.append(i)
+        result = [[] for _ in scheduled]
+        want_logprobs = any(item.params.logprobs is not None for item in scheduled)
+        lp_result = [[] for _ in scheduled] if want_logprobs else None
+        if not sample_rows:
+            return result, lp_result
+        out = self.sampler(logits[torch.tensor(index)], sample_rows)
+        for k, (owner, token) in enumerate(zip(owners, out.token_ids, strict=True)):
+            item = scheduled[owner]
+            accepted = result[owner]
+            if accepted and not _draft_confirmed(item, accepted):
+                continue  # an earlier draft was rejected: later rows do not count
+            accepted.append(token)
+            if lp_result is not None and item.params.logprobs is not None:
+                lp_result[owner].append(out.logprobs[k])
+        return result, lp_result
+
+    def _row(self, item: ScheduledRequest, drafts_before: list[int]) -> SamplingRow:
+        gen = None
+        if item.params.seed is not None:
+            gen = self._generators.get(item.request_id)
+            if gen is None:
+                gen = torch.Generator().manual_seed(item.params.seed)
+                self._generators[item.request_id] = gen
+        history = item.output_token_ids + drafts_before if drafts_before else item.output_token_ids
+        return SamplingRow(item.params, item.prompt_token_ids, history, gen)
+
+    def _prompt_logprobs(self, item: ScheduledRequest, rows: LogitsRows,
+                         logits: torch.Tensor) -> list[TokenLogprobs] | None:
+        if not rows.num_prompt:
+            return None
+        lo = rows.prompt_start
+        targets = torch.tensor(
+            item.prompt_token_ids[item.start_pos + 1:item.start_pos + 1 + rows.num_prompt])
+        return compute_logprobs(logits[lo:lo + rows.num_prompt], targets,
+                                item.params.prompt_logprobs or 0)
+
+
+def _draft_confirmed(item: ScheduledRequest, accepted: list[int]) -> bool:
+    """Whether every token accepted so far equals the draft at its position."""
+    drafts = item.token_ids[len(item.token_ids) - item.num_draft_tokens:]
+    j = len(accepted) - 1
+    return j < len(drafts) and accepted[j] == drafts[j]

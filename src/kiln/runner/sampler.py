@@ -1,0 +1,178 @@
+"""Sampling, vectorized over the batch: one row of logits per token to choose.
+
+Order of operations on each row (as vLLM and HF apply them):
+  grammar bitmask -> min_tokens (EOS/stop masked) -> repetition, frequency and presence
+  penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> random draw.
+Logprobs report the model's raw distribution (log-softmax of the unprocessed logits), which is
+what HF parity tests and log-likelihood evaluation expect.
+
+Random draws use the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is a sample from
+p. A seeded request draws its E row from its own generator, so its tokens do not depend on
+which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.engine.outputs import TokenLogprobs
+from kiln.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row to sample: the request's params and the token history that row sees."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # includes accepted drafts before this row, if any
+    generator: torch.Generator | None  # seeded requests only
+    bitmask_row: int | None = None  # row of the grammar bitmask for this row, if constrained
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: frozenset[int], seed: int = 0):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 bitmask: torch.Tensor | None = None) -> SamplerOutput:
+        """logits: [B, V] float32, one row per entry of `rows`."""
+        logits = logits[:, :self.vocab_size]
+        raw = logits
+        logits = self.process(logits, rows, bitmask)
+        token_ids = self.choose(logits, rows)
+        want = max((r.params.logprobs for r in rows if r.params.logprobs is not None),
+                   default=None)
+        logprobs = None if want is None else compute_logprobs(raw, token_ids, want)
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+    def process(self, logits: torch.Tensor, rows: list[SamplingRow],
+                bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """Everything before the draw: masks and penalties (returns a new tensor)."""
+        logits = logits.clone()
+        if bitmask is not None:
+            apply_token_bitmask(logits, rows, bitmask)
+        self._apply_min_tokens(logits, rows)
+        if any(_has_penalty(r.params) for r in rows):
+            apply_penalties(logits, rows)
+        return logits
+
+    def choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """[B] token ids: argmax for greedy rows, a random draw for the others."""
+        greedy = torch.tensor([r.params.greedy for r in rows])
+        chosen = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return chosen
+        probs = self.probabilities(logits, rows)
+        drawn = (probs / self.exponentials(rows, probs.shape[1])).argmax(dim=-1)
+        return torch.where(greedy, chosen, drawn)
+
+    def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """[B, V] the distribution a random draw samples from (temperature, top-k/p, min-p)."""
+        temps = torch.tensor([max(r.params.temperature, 1e-5) for r in rows])
+        logits = logits / temps[:, None]
+        if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows):
+            logits = apply_top_k_top_p(logits, rows)
+        probs = torch.softmax(logits, dim=-1)
+        if any(r.params.min_p > 0 for r in rows):
+            min_p = torch.tensor([r.params.min_p for r in rows])
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values,
+                                      0.0)
+        return probs
+
+    def exponentials(self, rows: list[SamplingRow], vocab: int) -> torch.Tensor:
+        """[B, V] Exp(1) noise; seeded rows come from their own generators."""
+        noise = torch.empty(len(rows), vocab).exponential_(generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None and not row.params.greedy:
+                noise[i].exponential_(generator=row.generator)
+        return noise
+
+    def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.min_tokens and len(row.output_token_ids) < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                banned = [t for t in banned if t < logits.shape[1]]
+                logits[i, banned] = float("-inf")
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place. Repetition (HF): tokens seen in prompt or output get positive logits divided
+    and negative ones multiplied. Presence/frequency (OpenAI): over output tokens only."""
+    batch, vocab = logits.shape
+    counts = torch.zeros(batch, vocab)
+    seen = torch.zeros(batch, vocab, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        if row.output_token_ids:
+            out = torch.tensor(row.output_token_ids)
+            counts[i].index_add_(0, out, torch.ones(len(out)))
+        if row.params.repetition_penalty != 1.0 and row.prompt_token_ids:
+            seen[i, torch.tensor(row.prompt_token_ids)] = True
+    seen |= counts > 0
+    rep = torch.tensor([r.params.repetition_penalty for r in rows])[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(seen, penalized, logits))
+    freq = torch.tensor([r.params.frequency_penalty for r in rows])[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in rows])[:, None]
+    logits -= freq * counts + pres * (counts > 0)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Mask tokens outside each row's top-k and top-p nucleus (at least one always stays)."""
+    vocab = logits.shape[1]
+    k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows])
+    p = torch.tensor([r.params.top_p for r in rows])
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab)[None, :]
+    drop = ranks >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+    drop = mass_before >= p[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[SamplingRow],
+                        bitmask: torch.Tensor) -> None:
+    """In place: -inf where the row's grammar forbids the token. `bitmask` is xgrammar's
+    packed int32 layout [num_constrained, ceil(V / 32)]: bit j of word w allows token 32w + j."""
+    targets = [(i, r.bitmask_row) for i, r in enumerate(rows) if r.bitmask_row is not None]
+    if not targets:
+        return
+    idx = torch.tensor([t[0] for t in targets])
+    words = bitmask[torch.tensor([t[1] for t in targets])]
+    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.reshape(len(targets), -1)[:, :logits.shape[1]].bool()
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+
+
+def compute_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
+                     num_top: int) -> list[TokenLogprobs]:
+    """Log-softmax of raw logits: each chosen token's logprob and rank, plus the top `num_top`."""
+    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    top_lp, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
+    out = []
+    for i in range(len(token_ids)):
+        out.append(TokenLogprobs(
+            int(token_ids[i]), float(chosen[i]), int(ranks[i]),
+            top_ids[i].tolist() if num_top else [], top_lp[i].tolist() if num_top else []))
+    return out
