@@ -1,0 +1,211 @@
+"""Quantized linear methods: packed weights behind kiln.models.layers.linear's seam.
+
+One method per format, registered under the format's name ("int8", "fp8", "int4-g128-sym",
+"nvfp4", "mxfp4", ...; see kiln.quant.formats). A name with the suffix "-dyn" also quantizes
+activations dynamically, per token, in the same format ("int8-dyn" is W8A8 with an exact int32
+accumulation; "nvfp4-dyn", "mxfp4-dyn" and "int4-g32-sym-dyn" are W4A4), which reproduces
+those schemes' numerics on CPU. NVFP4 activations get a global scale per token here, where
+deployments often calibrate one per tensor.
+
+Loading (`load_shard(layer, shard, name, tensor)`):
+  - "weight" with a float dtype (fp16/bf16/fp32) is quantized on load, so a dense HF
+    checkpoint is served quantized. Each shard of a fused layer is quantized on its own.
+  - Any stored tensor of the format ("weight" int8/fp8, "weight_packed", "weight_scale",
+    "weight_min", "weight_global_scale") is copied into the shard's rows as is. Codes must
+    arrive in their stored dtype; float scales may arrive in any float dtype, and a per-channel
+    scale may arrive as one per-tensor scalar (broadcast to the shard's rows).
+  - "bias" is kept dense in the model dtype.
+Per-tensor scalars (NVFP4's global scale) are kept once per shard: buffer [n_shards], expanded
+to one per output row at `finalize`, so fused q/k/v with different global scales stay exact.
+
+Compute: the reference path dequantizes the weight in row tiles of at most `tile_elements`
+values and multiplies in the activation dtype. Nothing dequantized is cached between calls:
+a cache would give the memory saving back, so each call pays the dequantization (which
+dominates at batch 1). int8 uses torch's int8 kernels where kiln.quant.kernels has one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.models.layers.linear import Linear, register_linear_method, shard_rows
+from kiln.quant.formats import StoredTensor, WeightFormat, available_formats, get_format
+from kiln.quant.kernels import int8_int8_mm, int8_weight_only_mm
+
+DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DYNAMIC_SUFFIX = "-dyn"
+
+
+class QuantLinearMethod:
+    """A LinearMethod storing W in `fmt`; `act_quant` fake-quantizes activations per token."""
+
+    def __init__(self, fmt: WeightFormat | str, act_quant: bool = False,
+                 tile_elements: int = 1 << 22):
+        self.fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+        self.act_quant = act_quant
+        self.tile_elements = tile_elements
+
+    # -- lifecycle: create, load, finalize ------------------------------------------------
+
+    def create_weights(self, layer: Linear, in_features: int, out_shards: Sequence[int],
+                       bias: bool, dtype: torch.dtype) -> None:
+        if not self.fmt.supports(in_features):
+            raise ValueError(f"{self.fmt.name} packs two 4-bit codes per byte and cannot "
+                             f"store a layer with an odd number of inputs ({in_features})")
+        out = sum(out_shards)
+        layer.quant_storage = self.fmt.storage(out, in_features)
+        for t in layer.quant_storage:
+            shape = (len(out_shards),) if t.cols is None else (out, t.cols)
+            layer.register_buffer(t.name, torch.zeros(shape, dtype=t.dtype))
+        layer.bias = (nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False)
+                      if bias else None)
+        layer.quant_loaded = set()  # (shard, name) pairs seen so far; checked by finalize
+
+    def load_shard(self, layer: Linear, shard: int, name: str, tensor: torch.Tensor) -> None:
+        if name == "bias":
+            return self._copy_bias(layer, shard, tensor)
+        if name == "weight" and tensor.dtype in DENSE_DTYPES:
+            tensors = self.fmt.quantize(tensor)  # a dense checkpoint, served quantized
+        else:
+            tensors = {name: tensor}
+        for key, value in tensors.items():
+            self._copy_stored(layer, shard, key, value)
+
+    def finalize(self, layer: Linear) -> None:
+        names = [t.name for t in layer.quant_storage]
+        missing = [f"shard {s}: {n}" for s in range(len(layer.out_shards)) for n in names
+                   if (s, n) not in layer.quant_loaded]
+        if missing:
+            raise ValueError(f"{self.fmt.name} linear is missing tensors: {', '.join(missing)}")
+        del layer.quant_loaded
+        counts = torch.tensor(layer.out_shards)
+        for t in layer.quant_storage:
+            if t.cols is None:  # one scalar per shard -> one per output row
+                per_row = getattr(layer, t.name).repeat_interleave(counts)  # [out]
+                layer.register_buffer(f"{t.name}_per_row", per_row, persistent=False)
+
+    def _copy_bias(self, layer: Linear, shard: int, tensor: torch.Tensor) -> None:
+        if layer.bias is None:
+            raise ValueError("checkpoint has a bias but the layer was built without one")
+        target = layer.bias[shard_rows(layer.out_shards, shard)]
+        _check_shape("bias", tensor, target.shape)
+        with torch.no_grad():
+            target.copy_(tensor)
+
+    def _copy_stored(self, layer: Linear, shard: int, name: str, tensor: torch.Tensor) -> None:
+        spec = _find(layer.quant_storage, name)
+        if spec is None:
+            raise ValueError(f"{self.fmt.name} linear has no tensor {name!r}")
+        if spec.cols is None:
+            target, tensor = getattr(layer, name)[shard:shard + 1], tensor.reshape(-1)
+        else:
+            target = getattr(layer, name)[shard_rows(layer.out_shards, shard)]
+            if spec.cols == 1 and tensor.numel() == 1:  # a per-tensor scale (e.g. FP8 checkpoints)
+                tensor = tensor.reshape(1, 1).expand(target.shape)
+        _check_shape(name, tensor, target.shape)
+        _check_dtype(name, tensor.dtype, target.dtype)
+        target.copy_(tensor)
+        layer.quant_loaded.add((shard, name))
+
+    # -- compute ----------------------------------------------------------------------------
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, layer.in_features)  # [M, in]
+        y = self.matmul(layer, x2)               # [M, out]
+        if layer.bias is not None:
+            y = y + layer.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], layer.out_features)
+
+    def matmul(self, layer: Linear, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, in] @ W^T -> [M, out]; the plain reference every speed path must match."""
+        if self.act_quant:
+            x2 = self.fmt.fake_quantize(x2)
+        return self.dequantized_matmul(layer, x2)
+
+    def dequantized_matmul(self, layer: Linear, x2: torch.Tensor) -> torch.Tensor:
+        tiles = [F.linear(x2, self.dequantize_rows(layer, rows).to(x2.dtype))
+                 for rows in self.row_tiles(layer)]
+        return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-1)
+
+    def row_tiles(self, layer: Linear) -> Iterator[slice]:
+        step = max(1, self.tile_elements // layer.in_features)
+        for start in range(0, layer.out_features, step):
+            yield slice(start, min(start + step, layer.out_features))
+
+    def dequantize_rows(self, layer: Linear, rows: slice) -> torch.Tensor:
+        """Float32 W[rows] [len(rows), in], from the stored tensors (after `finalize`)."""
+        packed = {t.name: (getattr(layer, f"{t.name}_per_row") if t.cols is None
+                           else getattr(layer, t.name))[rows] for t in layer.quant_storage}
+        return self.fmt.dequantize(packed)
+
+    def dequantize_weight(self, layer: Linear) -> torch.Tensor:
+        """Float32 W [out, in]: for reference matmuls, KL evaluation and tests."""
+        return self.dequantize_rows(layer, slice(0, layer.out_features))
+
+    def shard_tensors(self, layer: Linear, shard: int) -> dict[str, torch.Tensor]:
+        """One shard's stored tensors as a checkpoint holds them (the inverse of load_shard)."""
+        rows = shard_rows(layer.out_shards, shard)
+        out = {t.name: getattr(layer, t.name)[shard:shard + 1] if t.cols is None
+               else getattr(layer, t.name)[rows] for t in layer.quant_storage}
+        if layer.bias is not None:
+            out["bias"] = layer.bias[rows]
+        return {name: t.clone() for name, t in out.items()}
+
+
+class Int8LinearMethod(QuantLinearMethod):
+    """int8 weights: torch's int8 kernels where they are fast, the reference path otherwise.
+
+    Weight-only: `_weight_int8pack_mm` for bf16/fp16 activations. With `act_quant` (W8A8):
+    per-token symmetric int8 activations and an exact int32 accumulation via `_int_mm`.
+    """
+
+    def matmul(self, layer, x2):
+        if self.act_quant:
+            return self.w8a8_matmul(layer, x2)
+        y = int8_weight_only_mm(x2, layer.weight, layer.weight_scale)
+        return self.dequantized_matmul(layer, x2) if y is None else y
+
+    def w8a8_matmul(self, layer: Linear, x2: torch.Tensor) -> torch.Tensor:
+        xq = self.fmt.quantize(x2)  # per-token: weight int8 [M, in], weight_scale [M, 1]
+        acc = int8_int8_mm(xq["weight"], layer.weight)  # int32 [M, out]
+        if acc is None:
+            return super().matmul(layer, x2)
+        y = acc.float() * xq["weight_scale"] * layer.weight_scale.reshape(1, -1)
+        return y.to(x2.dtype)
+
+
+def _find(storage: list[StoredTensor], name: str) -> StoredTensor | None:
+    return next((t for t in storage if t.name == name), None)
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: torch.Size) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(expected)}")
+
+
+def _check_dtype(name: str, got: torch.dtype, stored: torch.dtype) -> None:
+    """Float scales convert freely; codes (ints, fp8) must already be in their stored dtype."""
+    if got != stored and not (got in DENSE_DTYPES and stored in DENSE_DTYPES):
+        raise ValueError(f"{name}: checkpoint dtype {got}, expected {stored}")
+
+
+def method_class(fmt: WeightFormat) -> type[QuantLinearMethod]:
+    return Int8LinearMethod if fmt.name == "int8" else QuantLinearMethod
+
+
+def register_quant_methods() -> None:
+    """Register one linear method per format name, plus its "-dyn" (activation-quant) twin."""
+    for name in available_formats():
+        fmt = get_format(name)
+        cls = method_class(fmt)
+        register_linear_method(name)(partial(cls, fmt))
+        register_linear_method(name + DYNAMIC_SUFFIX)(partial(cls, fmt, act_quant=True))
+
+
+register_quant_methods()
