@@ -148,11 +148,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(a, method_for, dtype, backend)
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta,
                                       a.rope_scaling, dtype)
-        if a.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = Linear(a.hidden_size, a.vocab_size, dtype=dtype,
-                                  method=method_for("lm_head"))
+        # with tied embeddings the loader fills lm_head from embed_tokens (packed separately)
+        self.lm_head = Linear(a.hidden_size, a.vocab_size, dtype=dtype,
+                              method=method_for("lm_head"))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
@@ -162,6 +160,4 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight)
         return self.lm_head(hidden)

@@ -56,30 +56,46 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype, backend,
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, linear_backend: str = "auto") -> LoadedModel:
     path = Path(path)
     hf_config = read_hf_config(path)
     cls, arch = resolve_architecture(hf_config)
-    method_for = _method_chooser(hf_config, quantization)
+    method_for = _method_chooser(hf_config, quantization, _dense_method(dtype, linear_backend))
     model = cls(arch, dtype=dtype, backend=backend, method_for=method_for)
     _load_weights(model, path)
+    if arch.tie_word_embeddings:
+        model.lm_head.method.load_shard(model.lm_head, 0, "weight",
+                                        model.model.embed_tokens.weight)
     for module in model.modules():
         if isinstance(module, Linear):
             module.method.finalize(module)
     return LoadedModel(model.eval(), hf_config, path)
 
 
-def _method_chooser(hf_config: dict, quantization: str | None):
+def _dense_method(dtype: torch.dtype, linear_backend: str) -> str:
+    """The dense weight format: oneDNN-prepacked bf16 where it runs, else plain torch."""
+    from kiln.models.layers.onednn import onednn_available
+
+    if linear_backend == "torch":
+        return "dense"
+    if onednn_available(dtype):
+        return "dense-onednn"
+    if linear_backend == "onednn":
+        raise ValueError(f"linear_backend onednn needs bf16 weights and oneDNN; dtype is {dtype}")
+    return "dense"
+
+
+def _method_chooser(hf_config: dict, quantization: str | None, dense: str = "dense"):
     """Which weight format each linear layer uses: a checkpoint's own per-layer formats
     (kiln quantized checkpoints), else `quantization` for all but the LM head, else dense."""
     layer_formats: dict[str, str] = (hf_config.get("quantization_config") or {}).get(
         "kiln_layer_formats", {})
 
-    def method_for(prefix: str) -> LinearMethod | None:
+    def method_for(prefix: str) -> LinearMethod:
         name = layer_formats.get(prefix)
         if name is None and quantization and prefix != "lm_head":
             name = quantization
-        return None if name in (None, "dense") else get_linear_method(name)
+        return get_linear_method(dense if name in (None, "dense") else name)
 
     return method_for
 
@@ -108,9 +124,12 @@ def _load_weights(model: nn.Module, path: Path) -> None:
 def _expected_tensors(model: nn.Module) -> set[str]:
     """Keys that must come from the checkpoint: one per linear shard weight, plus plain params."""
     expected = set()
+    tied = model.arch.tie_word_embeddings
     inverse = {(fused, shard): hf for hf, (fused, shard) in model.packed_modules.items()}
     for name, module in model.named_modules():
         if isinstance(module, Linear):
+            if tied and name == "lm_head":
+                continue
             base, _, leaf = name.rpartition(".")
             for shard in range(len(module.out_shards)):
                 hf_leaf = inverse.get((leaf, shard), leaf)
@@ -130,7 +149,7 @@ def _load_one(model: nn.Module, name: str, tensor: torch.Tensor) -> str:
         target_path = f"{base}.{fused}"
     else:
         target_path, shard = module_path, 0
-    if module_path == "lm_head" and getattr(model, "lm_head", None) is None:
+    if module_path == "lm_head" and model.arch.tie_word_embeddings:
         return "lm_head"  # tied embeddings: the checkpoint may still carry a copy
     try:
         module = model.get_submodule(target_path)

@@ -59,7 +59,8 @@ class ModelRunner:
         torch.set_num_threads(parallel.num_threads or default_num_threads())
         self.dtype = resolve_dtype(model_config.dtype)
         self.backend = get_attention_backend(model_config.attention_backend)
-        loaded = load_model(model_path, self.dtype, self.backend, model_config.quantization)
+        loaded = load_model(model_path, self.dtype, self.backend, model_config.quantization,
+                            model_config.linear_backend)
         self.model, self.hf_config = loaded.model, loaded.hf_config
         arch = self.model.arch
         self.vocab_size = arch.vocab_size
