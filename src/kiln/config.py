@@ -23,12 +23,15 @@ class ModelConfig:
     max_model_len: int | None = None  # prompt + output tokens; None = the model's own limit
     seed: int = 0  # seed of the engine's default sampling generator
     quantization: str | None = None  # weight format to quantize dense weights into on load
-    attention_backend: str = "torch"  # registered paged-attention implementation
+    attention_backend: str = "auto"  # auto (cpu kernels where they build), torch, cpu
     linear_backend: str = "auto"  # dense matmuls: auto (oneDNN prepacked for bf16), torch
+    kernels: str = "auto"  # fused C++ CPU ops: auto (where they build), torch (reference), cpp
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kernels not in ("auto", "torch", "cpp"):
+            raise ValueError(f"kernels must be auto, torch or cpp, got {self.kernels!r}")
         if self.linear_backend not in ("auto", "torch", "onednn"):
             raise ValueError(f"linear_backend must be auto, torch or onednn, "
                              f"got {self.linear_backend!r}")

@@ -36,10 +36,12 @@ def hf_logprobs(path: str, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_tokens_match_hf_in_a_batch(tiny_ckpt, family):
+@pytest.mark.parametrize("family, kernels", [(f, "auto") for f in FAMILIES]
+                         + [("llama", "torch"), ("qwen3", "torch")])
+def test_greedy_tokens_match_hf_in_a_batch(tiny_ckpt, family, kernels):
+    """`auto` runs the C++ kernels where they build; `torch` is the plain reference path."""
     path = tiny_ckpt(family)
-    llm = LLM(path, dtype="float32", kv_cache_memory=8 << 20, num_threads=1)
+    llm = LLM(path, dtype="float32", kv_cache_memory=8 << 20, num_threads=1, kernels=kernels)
     tok = llm.get_tokenizer()
     prompt_ids = [tok.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

@@ -59,10 +59,11 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs",
                  quantization: str | None = None, seed: int = 0,
-                 num_threads: int | None = None, tokenizer: str | None = None):
+                 num_threads: int | None = None, tokenizer: str | None = None,
+                 kernels: str = "auto"):
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              quantization=quantization),
+                              quantization=quantization, kernels=kernels),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kiln.models.layers.linear import Linear, LinearMethod
 from kiln.models.layers.norm import RMSNorm
+from kiln.models.layers.ops import TorchOps
 from kiln.models.layers.rotary import RotaryEmbedding
 from kiln.runner.attention import AttentionBackend
 
@@ -70,7 +70,7 @@ class LlamaArch:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, a: LlamaArch, prefix: str, method_for: MethodFor, dtype, backend):
+    def __init__(self, a: LlamaArch, prefix: str, method_for: MethodFor, dtype, backend, ops):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
@@ -84,54 +84,79 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype)
         self.qk_norm = a.qk_norm
         self.backend: AttentionBackend = backend
+        self.ops: TorchOps = ops
         self.scale = a.head_dim ** -0.5
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta):
+        qkv = self.qkv_proj(x)
+        if self.ops.name == "kernels" and not self.qk_norm:
+            rotary.apply_inplace(qkv, positions, self.num_heads, self.num_kv_heads)
+            q, k, v = self._heads(qkv)
+        else:
+            q, k, v = self._heads(qkv)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.ops.rotary(q, k, positions, rotary.cos, rotary.sin)
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta, self.scale))
+
+    def _heads(self, qkv):
+        """Views [T, H, D] of the q, k and v parts of the fused projection's output."""
+        q, k, v = qkv.split(self.split, dim=-1)
+        return (q.view(-1, self.num_heads, self.head_dim),
+                k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
-    def __init__(self, a: LlamaArch, prefix: str, method_for: MethodFor, dtype):
+    def __init__(self, a: LlamaArch, prefix: str, method_for: MethodFor, dtype, ops):
         super().__init__()
         self.gate_up_proj = Linear(a.hidden_size, [a.intermediate_size] * 2, dtype=dtype,
                                    method=method_for(f"{prefix}.gate_up_proj"))
         self.down_proj = Linear(a.intermediate_size, a.hidden_size, dtype=dtype,
                                 method=method_for(f"{prefix}.down_proj"))
+        self.ops = ops
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArch, prefix: str, method_for: MethodFor, dtype, backend):
+    """Pre-norm block. The residual stream is carried separately so each norm can fuse the
+    preceding residual add: (x, residual) -> (mlp_out, residual + attn_out)."""
+
+    def __init__(self, a: LlamaArch, prefix: str, method_for: MethodFor, dtype, backend, ops):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(a, f"{prefix}.self_attn", method_for, dtype, backend)
+        self.self_attn = LlamaAttention(a, f"{prefix}.self_attn", method_for, dtype, backend,
+                                        ops)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(a, f"{prefix}.mlp", method_for, dtype)
+        self.mlp = LlamaMLP(a, f"{prefix}.mlp", method_for, dtype, ops)
+        self.ops = ops
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
-        h = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, positions, rotary, kv_cache, meta):
+        norm1, norm2, eps = self.input_layernorm, self.post_attention_layernorm, norm_eps(self)
+        if residual is None:
+            residual, h = x, self.ops.rms_norm(x, norm1.weight, eps)
+        else:
+            h, residual = self.ops.add_rms_norm(x, residual, norm1.weight, eps)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta)
+        h, residual = self.ops.add_rms_norm(h, residual, norm2.weight, eps)
+        return self.mlp(h), residual
+
+
+def norm_eps(layer: LlamaDecoderLayer) -> float:
+    return layer.input_layernorm.eps
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, a: LlamaArch, method_for: MethodFor, dtype, backend):
+    def __init__(self, a: LlamaArch, method_for: MethodFor, dtype, backend, ops):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(a, f"model.layers.{i}", method_for, dtype, backend)
+            LlamaDecoderLayer(a, f"model.layers.{i}", method_for, dtype, backend, ops)
             for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
 
@@ -142,10 +167,11 @@ class LlamaForCausalLM(nn.Module):
     packed_modules = PACKED_MODULES
 
     def __init__(self, a: LlamaArch, dtype: torch.dtype, backend: AttentionBackend,
-                 method_for: MethodFor = lambda prefix: None):
+                 method_for: MethodFor = lambda prefix: None, ops: TorchOps | None = None):
         super().__init__()
         self.arch = a
-        self.model = LlamaModel(a, method_for, dtype, backend)
+        self.ops = ops or TorchOps()
+        self.model = LlamaModel(a, method_for, dtype, backend, self.ops)
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta,
                                       a.rope_scaling, dtype)
         # with tied embeddings the loader fills lm_head from embed_tokens (packed separately)
@@ -154,10 +180,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
+        norm = self.model.norm
+        return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -56,12 +56,13 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype, backend,
-               quantization: str | None = None, linear_backend: str = "auto") -> LoadedModel:
+               quantization: str | None = None, linear_backend: str = "auto",
+               ops=None) -> LoadedModel:
     path = Path(path)
     hf_config = read_hf_config(path)
     cls, arch = resolve_architecture(hf_config)
     method_for = _method_chooser(hf_config, quantization, _dense_method(dtype, linear_backend))
-    model = cls(arch, dtype=dtype, backend=backend, method_for=method_for)
+    model = cls(arch, dtype=dtype, backend=backend, method_for=method_for, ops=ops)
     _load_weights(model, path)
     if arch.tie_word_embeddings:
         model.lm_head.method.load_shard(model.lm_head, 0, "weight",

@@ -38,12 +38,19 @@ class SeqLayout:
 
 
 @dataclass
-class TorchAttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot of each flat token
+class PaddedLayout:
+    """Index tensors of the padded reference path over some sequences of the batch."""
+
     query_index: torch.Tensor  # [S, Qmax] flat index of each padded query (pads -> 0)
     key_slots: torch.Tensor  # [S, Kmax] cache slot of each key position (pads -> slot 0)
     mask: torch.Tensor  # [S, 1, Qmax, Kmax] True where the query may attend the key
-    output_index: torch.Tensor  # [T] row of each flat token in the [S * Qmax] padded output
+    output_index: torch.Tensor  # row of each of their tokens in the [S * Qmax] padded output
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each flat token
+    padded: PaddedLayout
 
 
 class AttentionBackend(Protocol):
@@ -80,39 +87,107 @@ def slot_mapping_for(layout: SeqLayout, positions: torch.Tensor, block_size: int
     return blocks * block_size + positions % block_size
 
 
+def build_padded_layout(layout: SeqLayout, block_size: int) -> PaddedLayout:
+    """Index tensors and mask for the padded reference path over the sequences in `layout`."""
+    num_seqs = len(layout.query_lens)
+    q_max = int(layout.query_lens.max())
+    k_max = int(layout.seq_lens.max())
+    q_off = torch.arange(q_max)
+    q_valid = q_off[None, :] < layout.query_lens[:, None]  # [S, Qmax]
+    query_index = torch.where(q_valid, layout.query_start[:, None] + q_off, 0)
+    q_pos = torch.where(q_valid, layout.context_lens[:, None] + q_off, 0)  # pads see key 0
+    k_pos = torch.arange(k_max)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)  # [S, 1, Qmax, Kmax]
+    k_blocks = layout.block_table[:, (k_pos // block_size).clamp(
+        max=layout.block_table.shape[1] - 1)]
+    key_slots = k_blocks * block_size + k_pos % block_size
+    key_slots = torch.where(k_pos[None, :] < layout.seq_lens[:, None], key_slots, 0)
+    output_index = (torch.arange(num_seqs)[:, None] * q_max + q_off)[q_valid]
+    return PaddedLayout(query_index, key_slots, mask, output_index)
+
+
+def padded_attention(q, kv_cache, meta: PaddedLayout, scale: float) -> torch.Tensor:
+    """SDPA over gathered keys; returns [tokens of meta's sequences, Hq * D] in flat order."""
+    k_cache, v_cache = kv_cache
+    qp = q[meta.query_index].transpose(1, 2)  # [S, Hq, Qmax, D]
+    kp = k_cache[meta.key_slots].transpose(1, 2)  # [S, Hkv, Kmax, D]
+    vp = v_cache[meta.key_slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask, scale=scale,
+                                         enable_gqa=qp.shape[1] != kp.shape[1])
+    num_seqs, heads, q_max, head_dim = out.shape
+    out = out.transpose(1, 2).reshape(num_seqs * q_max, heads * head_dim)
+    return out[meta.output_index]
+
+
 @register_attention_backend("torch")
 class TorchPagedAttention:
     """Reference paged attention in plain torch (SDPA over gathered, padded keys)."""
 
     def build_metadata(self, layout: SeqLayout, positions: torch.Tensor,
                        block_size: int) -> TorchAttentionMetadata:
-        num_seqs = len(layout.query_lens)
-        q_max = int(layout.query_lens.max())
-        k_max = int(layout.seq_lens.max())
-        q_off = torch.arange(q_max)
-        q_valid = q_off[None, :] < layout.query_lens[:, None]  # [S, Qmax]
-        query_index = torch.where(q_valid, layout.query_start[:, None] + q_off, 0)
-        q_pos = torch.where(q_valid, layout.context_lens[:, None] + q_off, 0)  # pads see key 0
-        k_pos = torch.arange(k_max)
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)  # [S, 1, Qmax, Kmax]
-        k_blocks = layout.block_table[:, (k_pos // block_size).clamp(
-            max=layout.block_table.shape[1] - 1)]
-        key_slots = k_blocks * block_size + k_pos % block_size
-        key_slots = torch.where(k_pos[None, :] < layout.seq_lens[:, None], key_slots, 0)
-        output_index = (torch.arange(num_seqs)[:, None] * q_max + q_off)[q_valid]
-        return TorchAttentionMetadata(
-            slot_mapping=slot_mapping_for(layout, positions, block_size),
-            query_index=query_index, key_slots=key_slots, mask=mask, output_index=output_index)
+        return TorchAttentionMetadata(slot_mapping_for(layout, positions, block_size),
+                                      build_padded_layout(layout, block_size))
 
     def forward(self, q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float):
         k_cache, v_cache = kv_cache
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        qp = q[meta.query_index].transpose(1, 2)  # [S, Hq, Qmax, D]
-        kp = k_cache[meta.key_slots].transpose(1, 2)  # [S, Hkv, Kmax, D]
-        vp = v_cache[meta.key_slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask, scale=scale,
-                                             enable_gqa=qp.shape[1] != kp.shape[1])
-        num_seqs, heads, q_max, head_dim = out.shape
-        out = out.transpose(1, 2).reshape(num_seqs * q_max, heads * head_dim)
-        return out[meta.output_index]
+        return padded_attention(q, kv_cache, meta.padded, scale)
+
+
+@dataclass
+class CpuAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T]
+    block_size: int
+    short: SeqLayout | None  # sequences with short queries: the C++ kernel reads the cache
+    long: PaddedLayout | None  # long prefill chunks: the padded SDPA path
+    long_rows: torch.Tensor | None  # [T_long] flat rows of the long sequences' tokens
+    num_tokens: int
+
+
+def _subset(layout: SeqLayout, keep: torch.Tensor) -> SeqLayout:
+    return SeqLayout(layout.query_start[keep], layout.query_lens[keep],
+                     layout.context_lens[keep], layout.block_table[keep])
+
+
+@register_attention_backend("cpu")
+class CpuPagedAttention:
+    """C++ paged attention for decodes and short queries (reads K/V in place, no gather);
+    long prefill chunks go through the SDPA path, whose gather cost is amortized over many
+    query tokens. Needs kiln.runner.cpu_ops."""
+
+    max_kernel_query_len = 16
+
+    def __init__(self):
+        from kiln.runner import cpu_ops
+
+        if not cpu_ops.load():
+            raise RuntimeError("the cpu attention backend needs the kiln CPU kernels")
+
+    def build_metadata(self, layout: SeqLayout, positions: torch.Tensor,
+                       block_size: int) -> CpuAttentionMetadata:
+        is_short = layout.query_lens <= self.max_kernel_query_len
+        short = _subset(layout, is_short) if bool(is_short.any()) else None
+        long = long_rows = None
+        if not bool(is_short.all()):
+            long_layout = _subset(layout, ~is_short)
+            long = build_padded_layout(long_layout, block_size)
+            long_rows = torch.cat([torch.arange(int(s), int(s) + int(n)) for s, n in
+                                   zip(long_layout.query_start, long_layout.query_lens,
+                                       strict=True)])
+        return CpuAttentionMetadata(slot_mapping_for(layout, positions, block_size), block_size,
+                                    short, long, long_rows, len(positions))
+
+    def forward(self, q, k, v, kv_cache, meta: CpuAttentionMetadata, scale: float):
+        k_cache, v_cache = kv_cache
+        torch.ops.kiln.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        heads, head_dim = q.shape[1], q.shape[2]
+        out = torch.empty(meta.num_tokens, heads * head_dim, dtype=q.dtype)
+        if meta.short is not None:
+            s = meta.short
+            torch.ops.kiln.paged_attention(out, q, k_cache, v_cache, s.block_table,
+                                           s.query_start, s.query_lens, s.context_lens,
+                                           meta.block_size, scale)
+        if meta.long is not None:
+            out[meta.long_rows] = padded_attention(q, kv_cache, meta.long, scale)
+        return out

@@ -15,6 +15,7 @@ import torch
 from kiln.config import CacheConfig, ModelConfig, ParallelConfig, default_num_threads
 from kiln.engine.outputs import RunnerOutput, TokenLogprobs
 from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kiln.models.layers.ops import get_ops
 from kiln.models.loader import load_model
 from kiln.runner.attention import get_attention_backend
 from kiln.runner.batch import BatchInputs, LogitsRows, build_batch
@@ -58,9 +59,10 @@ class ModelRunner:
                  parallel: ParallelConfig, eos_token_ids: frozenset[int]):
         torch.set_num_threads(parallel.num_threads or default_num_threads())
         self.dtype = resolve_dtype(model_config.dtype)
-        self.backend = get_attention_backend(model_config.attention_backend)
+        self.ops = get_ops({"cpp": "kernels"}.get(model_config.kernels, model_config.kernels))
+        self.backend = get_attention_backend(self._attention_backend(model_config))
         loaded = load_model(model_path, self.dtype, self.backend, model_config.quantization,
-                            model_config.linear_backend)
+                            model_config.linear_backend, self.ops)
         self.model, self.hf_config = loaded.model, loaded.hf_config
         arch = self.model.arch
         self.vocab_size = arch.vocab_size
@@ -69,6 +71,11 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(arch.vocab_size, eos_token_ids, model_config.seed)
         self._generators: dict[str, torch.Generator] = {}
+
+    def _attention_backend(self, config: ModelConfig) -> str:
+        if config.attention_backend != "auto":
+            return config.attention_backend
+        return "cpu" if self.ops.name == "kernels" else "torch"
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate K and V for every layer once: [num_blocks * block_size, Hkv, D] each.

@@ -40,7 +40,8 @@ def _llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rotary embeddings to q [T, Hq, D] and k [T, Hkv, D] at `positions` [T]."""
+    """Precomputed cos/sin tables [max_pos, D]; applied by ModelOps.rotary (reference) or
+    `apply_inplace` (fused kernel)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict | None = None, dtype: torch.dtype = torch.float32):
@@ -50,13 +51,13 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self.register_buffer("cos32", emb.cos(), persistent=False)  # for the fused kernel
+        self.register_buffer("sin32", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    def apply_inplace(self, qkv: torch.Tensor, positions: torch.Tensor, num_q_heads: int,
+                      num_kv_heads: int) -> None:
+        """Rotate the q and k heads inside the fused qkv output [T, (Hq + 2 Hkv) * D] with
+        the C++ kernel (fp32 tables, one rounding)."""
+        head_dim = self.cos32.shape[-1]
+        torch.ops.kiln.rotary_inplace(qkv, positions, self.cos32, self.sin32, num_q_heads,
+                                      num_kv_heads, head_dim)

@@ -1,0 +1,394 @@
+// kiln CPU kernels: fused elementwise ops and paged attention for short queries.
+//
+// Each op has a plain torch reference in kiln/models/layers/ops.py or kiln/runner/attention.py
+// that the tests compare it with. Math is done in fp32 and rounded once to the tensor dtype.
+// Built on first use with torch.utils.cpp_extension (see kiln/runner/cpu_ops/__init__.py).
+
+#include <ATen/Parallel.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float f32(T v) { return static_cast<float>(v); }
+
+// out[r] = w * bf16(x[r] * rsqrt(mean(x[r]^2) + eps)); optionally residual += x first.
+template <typename T>
+void rms_rows(T* out, T* x, T* residual, const T* w, int64_t rows, int64_t dim,
+              int64_t x_stride, double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * x_stride;
+      float ss = 0.f;
+      if (residual != nullptr) {
+        T* rr = residual + r * dim;
+        for (int64_t i = 0; i < dim; ++i) {
+          T sum = static_cast<T>(f32(rr[i]) + f32(xr[i]));  // the residual add rounds to T
+          rr[i] = sum;
+          buf[i] = f32(sum);
+        }
+      } else {
+        for (int64_t i = 0; i < dim; ++i) buf[i] = f32(xr[i]);
+      }
+      for (int64_t i = 0; i < dim; ++i) ss += buf[i] * buf[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + static_cast<float>(eps));
+      T* o = out + r * dim;
+      for (int64_t i = 0; i < dim; ++i) {
+        T normed = static_cast<T>(buf[i] * inv);
+        o[i] = static_cast<T>(f32(w[i]) * f32(normed));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  auto xc = x.contiguous();
+  auto out = at::empty_like(xc);
+  const int64_t dim = xc.size(-1), rows = xc.numel() / dim;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "rms_norm", [&] {
+    rms_rows<scalar_t>(out.data_ptr<scalar_t>(), xc.data_ptr<scalar_t>(), nullptr,
+                       weight.data_ptr<scalar_t>(), rows, dim, dim, eps);
+  });
+  return out;
+}
+
+// residual += x (in place); returns rms_norm(residual).
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(residual.is_contiguous(), "residual must be contiguous");
+  auto xc = x.contiguous();
+  auto out = at::empty_like(residual);
+  const int64_t dim = xc.size(-1), rows = xc.numel() / dim;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "add_rms", [&] {
+    rms_rows<scalar_t>(out.data_ptr<scalar_t>(), xc.data_ptr<scalar_t>(),
+                       residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), rows, dim,
+                       dim, eps);
+  });
+  return out;
+}
+
+// out[t, :I] = silu(x[t, :I]) * x[t, I:]
+at::Tensor silu_mul(const at::Tensor& x) {
+  auto xc = x.contiguous();
+  const int64_t two_i = xc.size(-1), inner = two_i / 2, rows = xc.numel() / two_i;
+  auto sizes = xc.sizes().vec();
+  sizes.back() = inner;
+  auto out = at::empty(sizes, xc.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "silu_mul", [&] {
+    const scalar_t* in = xc.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* g = in + r * two_i;
+        const scalar_t* u = g + inner;
+        scalar_t* orow = o + r * inner;
+        for (int64_t i = 0; i < inner; ++i) {
+          const float gv = f32(g[i]);
+          orow[i] = static_cast<scalar_t>(gv / (1.f + std::exp(-gv)) * f32(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// In place on qkv [T, (Hq + 2 Hkv) * D]: rotate the q and k heads (rotate-half layout).
+// cos/sin: [max_pos, D] fp32 tables (both halves duplicated, as HF builds them).
+void rotary_inplace(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                    const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
+                    int64_t head_dim) {
+  TORCH_CHECK(qkv.stride(-1) == 1, "qkv rows must be contiguous");
+  const int64_t tokens = qkv.size(0), row_stride = qkv.stride(0), half = head_dim / 2;
+  const int64_t heads = num_q_heads + num_kv_heads;
+  auto pos = positions.contiguous().to(at::kLong);
+  auto c = cos.contiguous().to(at::kFloat);
+  auto s = sin.contiguous().to(at::kFloat);
+  const int64_t* p = pos.data_ptr<int64_t>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary", [&] {
+    scalar_t* base = qkv.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t job = begin; job < end; ++job) {
+        const int64_t t = job / heads, h = job % heads;
+        scalar_t* v = base + t * row_stride + h * head_dim;
+        const float* cr = cp + p[t] * head_dim;
+        const float* sr = sp + p[t] * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = f32(v[i]), x2 = f32(v[i + half]);
+          v[i] = static_cast<scalar_t>(x1 * cr[i] - x2 * sr[i]);
+          v[i + half] = static_cast<scalar_t>(x2 * cr[i + half] + x1 * sr[i + half]);
+        }
+      }
+    });
+  });
+}
+
+// k_cache[slot[t]] = k[t]; v_cache[slot[t]] = v[t]. k, v: [T, Hkv, D] (row-strided views ok).
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+              at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  const int64_t tokens = k.size(0), width = k.size(1) * k.size(2);
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2), "k heads must be packed");
+  TORCH_CHECK(v.stride(2) == 1 && v.stride(1) == v.size(2), "v heads must be packed");
+  auto slots = slot_mapping.contiguous().to(at::kLong);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::copy_n(kp + t * k.stride(0), width, kc + sl[t] * width);
+      std::copy_n(vp + t * v.stride(0), width, vc + sl[t] * width);
+    }
+  });
+}
+
+// Vector helpers: fp32 dot and axpy against a row stored in T (bf16, fp16 or fp32).
+// AVX-512 when the head dim is a multiple of 16, a scalar loop otherwise.
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+template <typename T>
+inline float dot_row(const float* q, const T* k, int64_t d) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>) if (d % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t x = 0; x < d; x += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + x), load16(k + x), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float acc = 0.f;
+  for (int64_t x = 0; x < d; ++x) acc += q[x] * f32(k[x]);
+  return acc;
+}
+
+template <typename T>
+inline void axpy_row(float* a, float w, const T* v, int64_t d) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>) if (d % 16 == 0) {
+    const __m512 wv = _mm512_set1_ps(w);
+    for (int64_t x = 0; x < d; x += 16)
+      _mm512_storeu_ps(a + x, _mm512_fmadd_ps(wv, load16(v + x), _mm512_loadu_ps(a + x)));
+    return;
+  }
+#endif
+  for (int64_t x = 0; x < d; ++x) a[x] += w * f32(v[x]);
+}
+
+// scores[r, j] = qf[r] . K[j] for every row r and key j of one kv head.
+// For bf16 caches with AVX-512, 16 keys of one block at a time: each gather fetches a pair
+// of adjacent bf16 values from 16 key rows, so the keys sit in the lanes and the rows
+// accumulate with broadcast-FMAs, with no horizontal reductions.
+template <typename T>
+void key_scores(const float* qf, const T* kc, const int64_t* table, float* scores,
+                int64_t rows, int64_t nk, int64_t kvh, int64_t hkv, int64_t d,
+                int64_t block_size) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (d % 2 == 0 && rows <= 32) {
+      const int64_t stride = hkv * d;  // elements between consecutive slots' rows
+      const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                              6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(static_cast<int>(stride)));
+      const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+      __m512 acc[32];
+      for (int64_t j0 = 0; j0 < nk;) {
+        const int64_t in_block = block_size - j0 % block_size;
+        const int64_t n = std::min<int64_t>({16, in_block, nk - j0});
+        const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+        const int64_t slot = table[j0 / block_size] * block_size + j0 % block_size;
+        const T* base = kc + slot * stride + kvh * d;
+        for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t x = 0; x < d; x += 2) {
+          const __m512i pair = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, idx,
+                                                           base + x, 2);
+          const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+          const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(pair, hi_mask));
+          for (int64_t r = 0; r < rows; ++r) {
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * d + x]), lo, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * d + x + 1]), hi, acc[r]);
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(scores + r * nk + j0, mask, acc[r]);
+        j0 += n;
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t j = 0; j < nk; ++j) {
+    const int64_t slot = table[j / block_size] * block_size + j % block_size;
+    const T* krow = kc + (slot * hkv + kvh) * d;
+    for (int64_t r = 0; r < rows; ++r) scores[r * nk + j] = dot_row(qf + r * d, krow, d);
+  }
+}
+
+// acc[r] = sum_j p[r, j] V[j] for every row r of one kv head. With AVX-512, fp32 accumulators
+// for up to 4 rows of a 64- or 128-wide head stay in registers across all keys.
+#if defined(__AVX512F__)
+template <int ROWS, int CHUNKS, typename T>
+void weighted_values_regs(const float* p, const T* vc, const int64_t* table, float* acc,
+                          int64_t nk, int64_t kvh, int64_t hkv, int64_t block_size) {
+  constexpr int64_t d = CHUNKS * 16;
+  __m512 a[ROWS][CHUNKS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CHUNKS; ++c) a[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < nk; ++j) {
+    const int64_t slot = table[j / block_size] * block_size + j % block_size;
+    const T* vrow = vc + (slot * hkv + kvh) * d;
+    __m512 v[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) v[c] = load16(vrow + c * 16);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r * nk + j]);
+      for (int c = 0; c < CHUNKS; ++c) a[r][c] = _mm512_fmadd_ps(w, v[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(acc + r * d + c * 16, a[r][c]);
+}
+#endif
+
+template <typename T>
+void weighted_values(const float* p, const T* vc, const int64_t* table, float* acc,
+                     int64_t rows, int64_t nk, int64_t kvh, int64_t hkv, int64_t d,
+                     int64_t block_size) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>) {
+    if (d == 64 || d == 128) {
+      int64_t r0 = 0;
+      for (; r0 + 4 <= rows; r0 += 4) {
+        if (d == 64) weighted_values_regs<4, 4>(p + r0 * nk, vc, table, acc + r0 * d, nk, kvh, hkv, block_size);
+        else weighted_values_regs<4, 8>(p + r0 * nk, vc, table, acc + r0 * d, nk, kvh, hkv, block_size);
+      }
+      for (; r0 < rows; ++r0) {
+        if (d == 64) weighted_values_regs<1, 4>(p + r0 * nk, vc, table, acc + r0 * d, nk, kvh, hkv, block_size);
+        else weighted_values_regs<1, 8>(p + r0 * nk, vc, table, acc + r0 * d, nk, kvh, hkv, block_size);
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t j = 0; j < nk; ++j) {
+    const int64_t slot = table[j / block_size] * block_size + j % block_size;
+    const T* vrow = vc + (slot * hkv + kvh) * d;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float w = p[r * nk + j];
+      if (w != 0.f) axpy_row(acc + r * d, w, vrow, d);
+    }
+  }
+}
+
+inline void softmax_row(float* s, int64_t n) {
+  const float mx = *std::max_element(s, s + n);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = std::exp(s[j] - mx);
+    sum += s[j];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+}
+
+// Paged attention for sequences with short queries (decodes, draft verification).
+// q: [T, Hq, D] (row-strided view ok); caches: [slots, Hkv, D]; out: [T, Hq * D].
+// Sequence s owns flat tokens [query_start[s], query_start[s] + query_lens[s]); token i sits at
+// position context_lens[s] + i and attends to keys at positions <= its own.
+// One task per (sequence, kv head): the group's query heads share each K/V row read.
+template <typename T>
+void attend_one(const T* qp, const T* kc, const T* vc, T* op, const int64_t* table,
+                int64_t t0, int64_t nq, int64_t ctx, int64_t kvh, int64_t hkv, int64_t group,
+                int64_t d, int64_t q_row, int64_t q_head, int64_t block_size, float scale,
+                std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t nk = ctx + nq, rows = nq * group, hq = hkv * group;
+  qf.resize(rows * d);
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      const T* src = qp + (t0 + i) * q_row + (kvh * group + g) * q_head;
+      float* dst = qf.data() + (i * group + g) * d;
+      for (int64_t x = 0; x < d; ++x) dst[x] = f32(src[x]) * scale;
+    }
+  scores.resize(rows * nk);
+  key_scores(qf.data(), kc, table, scores.data(), rows, nk, kvh, hkv, d, block_size);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = ctx + 1; j < nk; ++j)  // causal: query i sees keys j <= ctx + i
+    for (int64_t i = 0; i < j - ctx; ++i)
+      for (int64_t g = 0; g < group; ++g) scores[(i * group + g) * nk + j] = neg_inf;
+  for (int64_t r = 0; r < rows; ++r) softmax_row(scores.data() + r * nk, nk);
+  acc.assign(rows * d, 0.f);
+  weighted_values(scores.data(), vc, table, acc.data(), rows, nk, kvh, hkv, d, block_size);
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      T* dst = op + (t0 + i) * (hq * d) + (kvh * group + g) * d;
+      const float* a = acc.data() + (i * group + g) * d;
+      for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<T>(a[x]);
+    }
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_table,
+                     const at::Tensor& query_start, const at::Tensor& query_lens,
+                     const at::Tensor& context_lens, int64_t block_size, double scale) {
+  const int64_t num_seqs = context_lens.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t hkv = k_cache.size(1), group = hq / hkv;
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              out.is_contiguous(), "paged_attention: unexpected layout");
+  auto bt = block_table.contiguous().to(at::kLong);
+  auto qs = query_start.contiguous().to(at::kLong);
+  auto ql = query_lens.contiguous().to(at::kLong);
+  auto ctx = context_lens.contiguous().to(at::kLong);
+  const int64_t* btp = bt.data_ptr<int64_t>();
+  const int64_t *qsp = qs.data_ptr<int64_t>(), *qlp = ql.data_ptr<int64_t>();
+  const int64_t* cxp = ctx.data_ptr<int64_t>();
+  const int64_t bt_width = bt.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attn", [&] {
+    at::parallel_for(0, num_seqs * hkv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qf, scores, acc;
+      for (int64_t job = begin; job < end; ++job) {
+        const int64_t s = job / hkv;
+        attend_one<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                             v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                             btp + s * bt_width, qsp[s], qlp[s], cxp[s], job % hkv, hkv, group,
+                             d, q.stride(0), q.stride(1), block_size,
+                             static_cast<float>(scale), qf, scores, acc);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kiln, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
+        &add_rms_norm);
+  m.def("silu_mul(Tensor x) -> Tensor", &silu_mul);
+  m.def("rotary_inplace(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, "
+        "int num_q_heads, int num_kv_heads, int head_dim) -> ()", &rotary_inplace);
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping) -> ()", &write_kv);
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_table, Tensor query_start, Tensor query_lens, Tensor context_lens, "
+        "int block_size, float scale) -> ()", &paged_attention);
+}

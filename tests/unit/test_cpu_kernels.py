@@ -1,0 +1,105 @@
+"""The C++ CPU kernels against their torch reference implementations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.models.layers.ops import KernelOps, TorchOps
+from kiln.runner import cpu_ops
+from kiln.runner.attention import (
+    CpuPagedAttention,
+    SeqLayout,
+    TorchPagedAttention,
+    slot_mapping_for,
+)
+
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="kiln CPU kernels did not build")
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(a, b, dtype):
+    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_fused_residual_add(dtype):
+    ref, ker = TorchOps(), KernelOps()
+    x, res = torch.randn(7, 96, dtype=dtype), torch.randn(7, 96, dtype=dtype)
+    w = torch.randn(96, dtype=dtype)
+    close(ker.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), dtype)
+    out_r, res_r = ref.add_rms_norm(x, res.clone(), w, 1e-6)
+    out_k, res_k = ker.add_rms_norm(x, res.clone(), w, 1e-6)
+    close(out_k, out_r, dtype)
+    close(res_k, res_r, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    x = torch.randn(5, 2 * 48, dtype=dtype)
+    close(KernelOps().silu_mul(x), TorchOps().silu_mul(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_inplace_matches_reference(dtype):
+    from kiln.models.layers.rotary import RotaryEmbedding
+
+    hq, hkv, d, t = 4, 2, 32, 6
+    rot = RotaryEmbedding(d, 64, 10000.0, dtype=dtype)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=dtype)
+    pos = torch.tensor([0, 5, 9, 17, 33, 63])
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    rq, rk = TorchOps().rotary(q.reshape(t, hq, d), k.reshape(t, hkv, d), pos, rot.cos, rot.sin)
+    fused = qkv.clone()
+    rot.apply_inplace(fused, pos, hq, hkv)
+    fq, fk, fv = fused.split([hq * d, hkv * d, hkv * d], dim=-1)
+    close(fq.reshape(t, hq, d), rq, dtype)
+    close(fk.reshape(t, hkv, d), rk, dtype)
+    assert torch.equal(fv, v)
+
+
+def random_batch(dtype, query_lens, context_lens, hq=6, hkv=2, d=64, bs=4):
+    """A flat batch over a shuffled block pool, with the cache prefilled for the contexts."""
+    gen = torch.Generator().manual_seed(0)
+    per_seq = [-(-(c + q) // bs) for q, c in zip(query_lens, context_lens, strict=True)]
+    perm = torch.randperm(sum(per_seq) + 3, generator=gen)
+    tables, start = [], 0
+    for n in per_seq:
+        tables.append(perm[start:start + n].tolist())
+        start += n
+    width = max(per_seq)
+    layout = SeqLayout(
+        query_start=torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)[:-1])),
+        query_lens=torch.tensor(query_lens), context_lens=torch.tensor(context_lens),
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]))
+    t = sum(query_lens)
+    positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens,
+                                                                   strict=True)])
+    slots = (perm.numel()) * bs
+    cache = (torch.randn(slots, hkv, d, generator=gen).to(dtype),
+             torch.randn(slots, hkv, d, generator=gen).to(dtype))
+    q = torch.randn(t, hq, d, generator=gen).to(dtype)
+    k = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    return layout, positions, cache, q, k, v, bs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("query_lens, context_lens", [
+    ([1], [0]), ([1, 1, 1], [5, 17, 33]),  # decodes
+    ([4, 1, 40], [9, 30, 0]),  # drafts, a decode, a long prefill chunk (the SDPA path)
+    ([20, 3], [7, 12]),
+])
+def test_cpu_backend_matches_torch_backend(dtype, query_lens, context_lens):
+    layout, positions, cache, q, k, v, bs = random_batch(dtype, query_lens, context_lens)
+    scale = 64 ** -0.5
+    ref_cache = tuple(c.clone() for c in cache)
+    ref = TorchPagedAttention()
+    ref_out = ref.forward(q, k, v, ref_cache, ref.build_metadata(layout, positions, bs), scale)
+    cpu = CpuPagedAttention()
+    out = cpu.forward(q, k, v, cache, cpu.build_metadata(layout, positions, bs), scale)
+    close(out, ref_out, dtype)
+    slots = slot_mapping_for(layout, positions, bs)
+    assert torch.equal(cache[0][slots], k) and torch.equal(cache[1][slots], v)
