@@ -22,6 +22,37 @@ namespace {
 template <typename T>
 inline float f32(T v) { return static_cast<float>(v); }
 
+#if defined(__AVX512F__)
+// e^x for 16 lanes: 2^(x log2 e) = 2^n * 2^f with |f| <= 1/2, 2^f by its Taylor series to
+// degree 7 (relative error < 2e-7), 2^n applied exactly with scalef.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);  // e^g with g = f ln 2, Horner
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// out[i] = e^(in[i] - shift) over n floats
+inline void exp_shifted(const float* in, float* out, int64_t n, float shift) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 sh = _mm512_set1_ps(shift);
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, exp512(_mm512_sub_ps(_mm512_loadu_ps(in + i), sh)));
+#endif
+  for (; i < n; ++i) out[i] = std::exp(in[i] - shift);
+}
+
 // out[r] = w * bf16(x[r] * rsqrt(mean(x[r]^2) + eps)); optionally residual += x first.
 template <typename T>
 void rms_rows(T* out, T* x, T* residual, const T* w, int64_t rows, int64_t dim,
@@ -93,9 +124,13 @@ at::Tensor silu_mul(const at::Tensor& x) {
         const scalar_t* g = in + r * two_i;
         const scalar_t* u = g + inner;
         scalar_t* orow = o + r * inner;
-        for (int64_t i = 0; i < inner; ++i) {
-          const float gv = f32(g[i]);
-          orow[i] = static_cast<scalar_t>(gv / (1.f + std::exp(-gv)) * f32(u[i]));
+        float gate[256], negated[256];
+        for (int64_t i0 = 0; i0 < inner; i0 += 256) {  // silu(g) = g / (1 + e^-g), in fp32
+          const int64_t n = std::min<int64_t>(256, inner - i0);
+          for (int64_t i = 0; i < n; ++i) negated[i] = -f32(g[i0 + i]);
+          exp_shifted(negated, gate, n, 0.f);
+          for (int64_t i = 0; i < n; ++i)
+            orow[i0 + i] = static_cast<scalar_t>(-negated[i] / (1.f + gate[i]) * f32(u[i0 + i]));
         }
       }
     });
@@ -300,14 +335,10 @@ void weighted_values(const float* p, const T* vc, const int64_t* table, float* a
 
 inline void softmax_row(float* s, int64_t n) {
   const float mx = *std::max_element(s, s + n);
+  exp_shifted(s, s, n, mx);
   float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
-    s[j] = std::exp(s[j] - mx);
-    sum += s[j];
-  }
+  for (int64_t j = 0; j < n; ++j) sum += s[j];
   const float inv = 1.f / sum;
-#pragma omp simd
   for (int64_t j = 0; j < n; ++j) s[j] *= inv;
 }
 
