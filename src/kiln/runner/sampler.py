@@ -58,12 +58,19 @@ class Sampler:
 
     def process(self, logits: torch.Tensor, rows: list[SamplingRow],
                 bitmask: torch.Tensor | None = None) -> torch.Tensor:
-        """Everything before the draw: masks and penalties (returns a new tensor)."""
+        """Everything before the draw: masks and penalties. Returns `logits` itself when no
+        row needs either (callers must not modify the result in place), else a new tensor."""
+        masked = bitmask is not None and any(r.bitmask_row is not None for r in rows)
+        min_tok = any(r.params.min_tokens > len(r.output_token_ids) for r in rows)
+        penalized = any(_has_penalty(r.params) for r in rows)
+        if not (masked or min_tok or penalized):
+            return logits
         logits = logits.clone()
-        if bitmask is not None:
+        if masked:
             apply_token_bitmask(logits, rows, bitmask)
-        self._apply_min_tokens(logits, rows)
-        if any(_has_penalty(r.params) for r in rows):
+        if min_tok:
+            self._apply_min_tokens(logits, rows)
+        if penalized:
             apply_penalties(logits, rows)
         return logits
 
