@@ -84,6 +84,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None  # speculative decoding; None = off
+    structured: StructuredConfig = field(default_factory=lambda: StructuredConfig())  # grammars
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -96,6 +98,7 @@ def default_num_threads() -> int:
 # -- serving (kiln serve) ---------------------------------------------------------------------
 
 MiB = 1 << 20
+WORKER_ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -108,12 +111,22 @@ class WorkerConfig:
     worker_id: str = "worker-0"  # ZMQ identity prefix; unique among one gateway's workers
     heartbeat_interval_s: float = 0.5  # a heartbeat at least this often, idle or stepping
     parent_pid: int | None = None  # exit when this process is gone (workers kiln serve spawns)
+    # cluster (kiln.cluster): see ClusterConfig for the gateway's side
+    role: str = "both"  # prefill | decode | both: which work the gateway routes here
+    transfer_host: str = "127.0.0.1"  # interface the KV transfer socket binds
+    advertise_host: str | None = None  # host other workers dial for transfers (transfer_host)
+    pull_timeout_s: float = 10.0  # a KV pull not done by then is given up: recompute
+    hold_timeout_s: float = 30.0  # blocks held for a transfer nobody pulls are freed (<= 30)
 
     def __post_init__(self):
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if not self.worker_id or "." in self.worker_id:
             raise ValueError(f"worker_id must be non-empty without '.', got {self.worker_id!r}")
+        if self.role not in WORKER_ROLES:
+            raise ValueError(f"role must be one of {WORKER_ROLES}, got {self.role!r}")
+        if not 0 < self.pull_timeout_s <= 30 or not 0 < self.hold_timeout_s <= 30:
+            raise ValueError("pull_timeout_s and hold_timeout_s must be in (0, 30]")
 
 
 @dataclass(frozen=True)
@@ -134,6 +147,9 @@ class ServeConfig:
     restart_worker: bool = True  # restart a dead or stuck worker (--no-restart: stay down)
     heartbeat_timeout_s: float = 30.0  # no word from the worker this long = stuck
     worker_start_timeout_s: float = 600.0  # loading the model may take this long
+    access_log: bool = False  # uvicorn's line per request (costs gateway CPU per request)
+    tool_call_parser: str = "auto"  # auto (from the chat template) | hermes | json
+    cluster: ClusterConfig = field(default_factory=lambda: ClusterConfig())  # workers, routing
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -153,3 +169,104 @@ def _positive(config: object, *names: str) -> None:
         value = getattr(config, name)
         if value <= 0:
             raise ValueError(f"{name} must be > 0, got {value}")
+
+
+# -- speculative decoding (kiln.spec) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses the next tokens, the target verifies them in one
+    forward pass (losslessly: greedy output is unchanged, sampled output keeps its distribution).
+    `LLM(speculator=...)` and `kiln serve --speculator` build one from a name or a directory."""
+
+    method: str = "ngram"  # registered proposer: ngram (prompt lookup), draft (model), head (EAGLE)
+    model: str | None = None  # draft: an HF checkpoint sharing the tokenizer; head: a head dir
+    num_speculative_tokens: int = 3  # most drafts per sequence per step (k)
+    adaptive: bool = True  # choose k per step by measured cost and acceptance (0 = off)
+    max_batch_size: int | None = None  # no drafts when more sequences run; None = no cap
+    ngram_min: int = 1  # ngram: shortest suffix to look up in the prompt and output
+    ngram_max: int = 4  # ngram: longest suffix to look up (longer matches win)
+    draft_kv_cache_memory: int | None = None  # draft: bytes for its KV cache; None = derived
+
+    def __post_init__(self):
+        if not self.method:
+            raise ValueError("speculative method must be a proposer name (ngram, draft, head)")
+        if self.method in ("draft", "head") and not self.model:
+            raise ValueError(f"speculative method {self.method!r} needs a model directory")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
+                             f"{self.ngram_max}")
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+
+# -- cluster (kiln.cluster) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Workers behind the gateway: how many it spawns and in which roles, how it routes, when
+    it disaggregates prefill from decode, what it does when a worker dies. `kiln serve` flags."""
+
+    num_workers: int = 1  # aggregated workers to spawn (--workers)
+    num_prefill_workers: int = 0  # disaggregated: prefill workers to spawn (--prefill-workers)
+    num_decode_workers: int = 0  # disaggregated: decode workers to spawn (--decode-workers)
+    router: str = "kv-aware"  # round-robin | least-load | kv-aware
+    router_temperature: float = 0.0  # kv-aware: 0 = cheapest worker; > 0 = softmax sampling
+    prefill_weight: float = 1.0  # kv-aware: cost of one uncached prompt block vs one KV block
+    disagg_min_tokens: int = 512  # shorter prompts prefill on the decode worker itself
+    migration: bool = True  # resume streams of a dead worker elsewhere (--no-migration)
+    max_migrations: int = 3  # retries + migrations per request before it fails
+    address: str | None = None  # tcp://HOST:PORT the gateway binds for `kiln worker` joins
+    overload_waiting: int = 64  # a worker with this many waiting sequences is skipped
+
+    def __post_init__(self):
+        if min(self.num_workers, self.num_prefill_workers, self.num_decode_workers) < 0:
+            raise ValueError("worker counts must be >= 0")
+        if (self.num_prefill_workers > 0) != (self.num_decode_workers > 0):
+            raise ValueError("give both --prefill-workers and --decode-workers, or neither")
+        if self.router not in ("round-robin", "least-load", "kv-aware"):
+            raise ValueError(f"router must be round-robin, least-load or kv-aware, "
+                             f"got {self.router!r}")
+        if self.router_temperature < 0 or self.prefill_weight < 0:
+            raise ValueError("router_temperature and prefill_weight must be >= 0")
+        if self.disagg_min_tokens < 1 or self.max_migrations < 0 or self.overload_waiting < 1:
+            raise ValueError("disagg_min_tokens >= 1, max_migrations >= 0, overload_waiting >= 1")
+        if self.address is not None and not self.address.startswith("tcp://"):
+            raise ValueError(f"the cluster address must be tcp://HOST:PORT, got {self.address!r}")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.num_prefill_workers > 0
+
+    @property
+    def num_spawned(self) -> int:
+        if self.disaggregated:
+            return self.num_prefill_workers + self.num_decode_workers
+        return self.num_workers
+
+
+# -- structured output and the repetition guard (kiln.structured) --------------------------------
+
+
+@dataclass(frozen=True)
+class StructuredConfig:
+    """Grammar compilation limits and the repetition guard's default. The gateway applies the
+    same compile limits when it validates a request (so a bad grammar is a 400 there)."""
+
+    repetition_guard: str = "stop"  # off | stop | retry: what a request without its own does
+    compile_timeout_s: float = 4.0  # a grammar not compiled by then is refused (400)
+    cache_bytes: int = 128 * MiB  # compiled grammars kept (LRU by xgrammar's size estimate)
+    max_source_bytes: int = 1 * MiB  # longest schema / regex / EBNF / tool set accepted
+    compile_threads: int = 2  # background compile threads (the step loop never waits on one)
+
+    def __post_init__(self):
+        if self.repetition_guard not in ("off", "stop", "retry"):
+            raise ValueError(f"repetition_guard must be off, stop or retry, "
+                             f"got {self.repetition_guard!r}")
+        _positive(self, "compile_timeout_s", "cache_bytes", "max_source_bytes",
+                  "compile_threads")

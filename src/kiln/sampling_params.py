@@ -7,9 +7,13 @@ Invalid values raise `ValueError` naming the parameter (the HTTP layer maps it t
 
 from __future__ import annotations
 
+import json
+from typing import Literal
+
 import msgspec
 
 MAX_LOGPROBS = 20
+GuardMode = Literal["off", "stop", "retry"]
 
 
 class SamplingParamsError(ValueError):
@@ -18,6 +22,59 @@ class SamplingParamsError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Constrain the output to a grammar (kiln.structured; vLLM's names). Exactly one of
+    `json`, `regex`, `choice`, `grammar`, `json_object`, `structural_tag` is set."""
+
+    json: str | dict | None = None  # a JSON schema (dict or JSON text; kept as JSON text)
+    regex: str | None = None  # the whole output matches this regular expression
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # an EBNF grammar (xgrammar/GBNF dialect, root rule `root`)
+    json_object: bool = False  # any JSON object
+    structural_tag: str | None = None  # an xgrammar structural tag as JSON text (tool calls)
+    # kiln default True (vLLM: False): JSON without free whitespace, so a model cannot emit
+    # unbounded whitespace inside JSON (vLLM #40080); False allows a bounded amount
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json, ensure_ascii=False, separators=(",", ":"))
+        kinds = self.kinds()
+        _check(len(kinds) == 1, "structured_outputs",
+               "structured_outputs needs exactly one of json, regex, choice, grammar, "
+               f"json_object, structural_tag (got {', '.join(kinds) or 'none'})")
+        _check(self.choice is None or (bool(self.choice) and all(
+            isinstance(c, str) and c for c in self.choice)), "structured_outputs",
+            "structured_outputs.choice must be a non-empty list of non-empty strings")
+
+    def kinds(self) -> list[str]:
+        """The constraint kinds that are set (valid params have exactly one)."""
+        named = ("json", "regex", "choice", "grammar", "structural_tag")
+        return [k for k in named if getattr(self, k) is not None] + (
+            ["json_object"] if self.json_object else [])
+
+
+class RepetitionGuardParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The repetition guard of one request (kiln.structured.guard; thresholds in
+    docs/structured.md). It ends, or redraws once, a sequence stuck repeating itself."""
+
+    mode: GuardMode | None = None  # off | stop | retry; None = the engine's default
+    token_run: int = 4  # trip at this many identical word tokens in a row
+    filler_run: int = 128  # ... identical whitespace/digit/punctuation tokens in a row
+    ngram_period: int = 32  # longest looping n-gram checked (0 = no n-gram check)
+    ngram_copies: int = 16  # trip at this many back-to-back copies of one n-gram
+
+    def __post_init__(self):
+        _check(self.mode in (None, "off", "stop", "retry"), "repetition_guard",
+               f"repetition_guard mode must be off, stop or retry, got {self.mode!r}")
+        for name, low in (("token_run", 2), ("filler_run", 2), ("ngram_copies", 2)):
+            value = getattr(self, name)
+            _check(low <= value <= 1 << 16, "repetition_guard",
+                   f"repetition_guard.{name} must be in [{low}, 65536], got {value}")
+        _check(self.ngram_period == 0 or 2 <= self.ngram_period <= 256, "repetition_guard",
+               f"repetition_guard.ngram_period must be 0 or in [2, 256], got {self.ngram_period}")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -40,6 +97,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None  # same, for every prompt token after the first
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # grammar-constrained output
+    repetition_guard: RepetitionGuardParams | None = None  # None = the engine's default guard
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,10 +17,14 @@ import msgspec
 
 from kiln.config import EngineConfig
 from kiln.engine.kv_manager import KVCacheManager, KVCacheStats
+from kiln.engine.limits import EngineLimits, validate_request
+from kiln.engine.limits import RequestError as RequestError  # re-exported: its old home
 from kiln.engine.outputs import EngineCoreOutput, RunnerOutput
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler
 from kiln.sampling_params import SamplingParams
+from kiln.structured.engine import StructuredEngine
+from kiln.structured.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +35,9 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
-
-
-class RequestError(ValueError):
-    """A request the engine cannot take; `param` and `code` follow the OpenAI error shape."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param = param
-        self.code = code
+    # tokens this request already produced elsewhere: it resumes after them (a migrated
+    # request, or a decode after a remote prefill); they count against max_tokens
+    output_token_ids: list[int] = []
 
 
 @dataclass
@@ -76,6 +75,7 @@ class EngineCore:
         self.config = config
         self.model_path = resolve_model_path(config.model.model)
         hf_config = read_hf_config(self.model_path)
+        vocab = Vocabulary.load_in_background(self.model_path)  # while the model loads
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
         self.runner = ModelRunner(config.model, self.model_path, config.cache, config.parallel,
                                   self.eos_token_ids)
@@ -86,6 +86,17 @@ class EngineCore:
         self.runner.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(config.cache, num_blocks, emit_events=emit_kv_events)
         self.scheduler = Scheduler(self._scheduler_config(), self.kv, self.max_model_len)
+        # kiln.structured: grammars (compiled off the step loop) and the repetition guard
+        self.structured = StructuredEngine(config.structured, vocab.result(self.vocab_size),
+                                           self.eos_token_ids)
+        self.scheduler.token_check = self.structured.check_token
+        self.speculator = None  # kiln.spec: sets draft tokens after each step
+        if config.speculative is not None:
+            from kiln.spec.speculator import build_speculator
+            self.speculator = build_speculator(config.speculative, self)
+            self.speculator.draft_filter = self.structured.draft_filter
+        self.limits = EngineLimits(max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                                   block_size=config.cache.block_size, num_kv_blocks=num_blocks)
         log.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
                  self.model_path, num_blocks, config.cache.block_size, self.max_model_len)
 
@@ -111,33 +122,21 @@ class EngineCore:
     # -- requests -------------------------------------------------------------------------
 
     def add_request(self, req: EngineRequest) -> None:
-        self.validate(req.prompt_token_ids, req.params)
-        self.scheduler.add_request(Request(
-            req.request_id, req.prompt_token_ids, req.params, self.eos_token_ids,
-            priority=req.priority, cache_salt=req.cache_salt))
+        """Queue a request (RequestError if it can never be served). Never blocks: a grammar
+        compiles in the background, and one that fails finishes the request with an error."""
+        validate_request(self.limits, req.prompt_token_ids, req.params)
+        request = Request(req.request_id, req.prompt_token_ids, req.params, self.eos_token_ids,
+                          priority=req.priority, cache_salt=req.cache_salt)
+        for token in req.output_token_ids:
+            request.append_output_token(token)
+        self.structured.attach(request)
+        self.scheduler.add_request(request)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestError for a prompt this engine can never serve."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty", param="prompt")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary "
-                               f"[0, {self.vocab_size})", param="prompt")
-        max_tokens = params.max_tokens or 1
-        if n + max_tokens > self.max_model_len:
-            raise RequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                f"request needs {n + max_tokens} ({n} in the prompt + {max_tokens} to generate)",
-                param="max_tokens" if n < self.max_model_len else "prompt",
-                code="context_length_exceeded")
-        blocks = self.kv.blocks_needed(n + max_tokens)
-        if blocks > self.kv.pool.num_blocks:
-            raise RequestError(
-                f"the request needs {blocks} KV blocks but the cache holds "
-                f"{self.kv.pool.num_blocks}; lower max_tokens or raise kv_cache_memory",
-                param="max_tokens", code="context_length_exceeded")
+        """Raise RequestError for a request this engine can never serve; compiles its grammar
+        (so the offline API reports a bad one before adding anything)."""
+        validate_request(self.limits, prompt_token_ids, params)
+        self.structured.validate(params)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -150,9 +149,14 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         if sched.empty:
+            self.structured.wait_for_compile(0.005)  # waiting requests' grammars, if any
             self.runner.release(sched.finished_ids)
             return self.scheduler.update(sched, RunnerOutput([]))
-        return self.scheduler.update(sched, self.runner.execute(sched))
+        started = time.perf_counter()
+        outputs = self.scheduler.update(sched, self.runner.execute(sched))
+        if self.speculator is not None:
+            self.speculator.after_step(sched, outputs, time.perf_counter() - started)
+        return outputs
 
     def stats(self) -> StepStats:
         return StepStats(self.scheduler.num_running, self.scheduler.num_waiting, 0,

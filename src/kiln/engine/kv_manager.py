@@ -149,3 +149,37 @@ class KVCacheManager:
             tokens = request.all_token_ids[i * bs:(i + 1) * bs]
             self.prefix_cache.insert(table[i], hashes[i], parent, tokens)
         self._num_published[request.request_id] = num_full
+
+    # -- KV transfer between workers (kiln.cluster) -----------------------------------------
+
+    def num_cached_prefix(self, block_hashes: list[bytes]) -> int:
+        """How many leading `block_hashes` this cache holds now."""
+        return len(self.prefix_cache.match(block_hashes)) if self.caching else 0
+
+    def hold_cached(self, block_hashes: list[bytes]) -> list[KVBlock]:
+        """Pin the cached blocks of the longest run of leading `block_hashes` (one reference
+        each), so they survive eviction until `release_held` (a prefill kept for transfer)."""
+        blocks = self.prefix_cache.match(block_hashes) if self.caching else []
+        self.pool.touch(blocks)
+        return blocks
+
+    def release_held(self, blocks: list[KVBlock]) -> None:
+        """Drop the references `hold_cached` or `allocate_for_import` took (tail first)."""
+        self.pool.release(reversed(blocks))
+
+    def allocate_for_import(self, num_blocks: int) -> list[KVBlock] | None:
+        """Free blocks to receive transferred KV, or None if too few are free."""
+        if not self.caching or num_blocks > self.pool.num_free_blocks:
+            return None
+        return self.pool.allocate(num_blocks)
+
+    def register_imported(self, blocks: list[KVBlock], block_hashes: list[bytes],
+                          parent: bytes | None, token_ids: list[int]) -> None:
+        """Publish blocks whose KV was just written (validated) as cached under their hashes
+        (`token_ids` = the blocks' tokens, for the KV event), then release them: they wait in
+        the free list, cached, for the request that needs them."""
+        bs = self.block_size
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
+            self.prefix_cache.insert(block, block_hash, parent, token_ids[i * bs:(i + 1) * bs])
+            parent = block_hash
+        self.release_held(blocks)

@@ -10,46 +10,24 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from kiln.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from kiln.engine.core import EngineCore, EngineRequest, RequestError
-from kiln.engine.detokenizer import IncrementalDetokenizer
-from kiln.engine.outputs import EngineCoreOutput, TokenLogprobs
+from kiln.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    StructuredConfig,
+)
+from kiln.engine.core import EngineCore, RequestError
+from kiln.engine.output_processor import OutputSequence, RequestState
+from kiln.engine.outputs import TokenLogprobs
 from kiln.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from kiln.sampling_params import SamplingParams
 
 PromptInput = str | list[int] | dict
-
-
-@dataclass
-class _Sequence:
-    """One output sequence (a child of a request when n > 1)."""
-
-    index: int
-    detok: IncrementalDetokenizer | None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] | None = None
-    cumulative_logprob: float | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class _Pending:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    sequences: dict[str, _Sequence]
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    num_cached_tokens: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.sequences.values())
 
 
 class LLM:
@@ -60,7 +38,11 @@ class LLM:
                  enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs",
                  quantization: str | None = None, seed: int = 0,
                  num_threads: int | None = None, tokenizer: str | None = None,
-                 kernels: str = "auto"):
+                 kernels: str = "auto", speculator: str | None = None,
+                 speculative_config: SpeculativeConfig | None = None,
+                 repetition_guard: str = "stop"):
+        from kiln.spec.resolve import resolve_speculative_config
+
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               quantization=quantization, kernels=kernels),
@@ -70,7 +52,9 @@ class LLM:
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       policy=scheduling_policy),
-            parallel=ParallelConfig(num_threads=num_threads))
+            parallel=ParallelConfig(num_threads=num_threads),
+            speculative=resolve_speculative_config(speculator, speculative_config),
+            structured=StructuredConfig(repetition_guard=repetition_guard))
         self.engine = EngineCore(config)
         self.tokenizer = load_tokenizer(tokenizer or self.engine.model_path)
         self._ids = itertools.count()
@@ -120,17 +104,10 @@ class LLM:
     def _add(self, tokenized: tuple[str | None, list[int]], params: SamplingParams,
              priority: int) -> _Pending:
         text, ids = tokenized
-        rid = str(next(self._ids))
-        sequences = {}
-        for i in range(params.n):
-            child_params = params if params.n == 1 else params.clone(
-                n=1, seed=None if params.seed is None else params.seed + i)
-            child_id = rid if params.n == 1 else f"{rid}_{i}"
-            self.engine.add_request(EngineRequest(request_id=child_id, prompt_token_ids=ids,
-                                                  params=child_params, priority=priority))
-            sequences[child_id] = _Sequence(i, IncrementalDetokenizer(self.tokenizer, params))
-        prompt_lp = [None] if params.prompt_logprobs is not None else None
-        return _Pending(rid, text, ids, params, sequences, prompt_lp)
+        state = RequestState.create(str(next(self._ids)), ids, params, self.tokenizer, priority)
+        for child in state.engine_requests:
+            self.engine.add_request(child)
+        return _Pending(state, text)
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -147,43 +124,20 @@ class LLM:
         raise RequestError(f"unsupported prompt type {type(prompt).__name__}", param="prompt")
 
     def _run(self, pending: list[_Pending], use_tqdm: bool) -> None:
-        owner = {cid: p for p in pending for cid in p.sequences}
+        owner = {cid: p.state for p in pending for cid in p.state.sequences}
         from rich.progress import Progress
         show = use_tqdm and sys.stderr.isatty()
         with Progress(disable=not show, transient=True) as progress:
             task = progress.add_task("generating", total=len(pending))
             while self.engine.has_unfinished():
                 for out in self.engine.step():
-                    p = owner.get(out.request_id)
-                    if p is not None:
-                        was_done = p.finished
-                        self._absorb(p, out)
-                        progress.advance(task, int(p.finished and not was_done))
-
-    def _absorb(self, p: _Pending, out: EngineCoreOutput) -> None:
-        seq = p.sequences[out.request_id]
-        if out.prompt_logprobs and p.prompt_logprobs is not None and seq.index == 0:
-            p.prompt_logprobs.extend(self._positions(out.prompt_logprobs))
-        if seq.finish_reason is not None:
-            return  # already ended by a stop string; this is the engine's abort echo
-        p.num_cached_tokens = max(p.num_cached_tokens, out.num_cached_tokens)
-        p.num_draft_tokens += out.num_draft_tokens
-        p.num_accepted_tokens += out.num_accepted_tokens
-        seq.token_ids.extend(out.new_token_ids)
-        if out.logprobs:
-            self._add_logprobs(seq, out.logprobs)
-        if seq.detok.add_tokens(out.new_token_ids):
-            seq.finish_reason, seq.stop_reason = "stop", seq.detok.stop_string
-            if not out.finished:
-                self.engine.abort_requests([out.request_id])
-        elif out.finished:
-            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
-
-    def _add_logprobs(self, seq: _Sequence, entries: list[TokenLogprobs]) -> None:
-        if seq.logprobs is None:
-            seq.logprobs, seq.cumulative_logprob = [], 0.0
-        seq.logprobs.extend(self._positions(entries))
-        seq.cumulative_logprob += sum(e.logprob for e in entries)
+                    state = owner.get(out.request_id)
+                    if state is None:
+                        continue
+                    was_done = state.finished
+                    if state.absorb(out):  # a stop string ended it first
+                        self.engine.abort_requests([out.request_id])
+                    progress.advance(task, int(state.finished and not was_done))
 
     def _positions(self, entries: list[TokenLogprobs]) -> list[PositionLogprobs]:
         decode = self.tokenizer.decode
@@ -195,16 +149,30 @@ class LLM:
             out.append(pos)
         return out
 
+    def _completion(self, s: OutputSequence) -> CompletionOutput:
+        logprobs = self._positions(s.logprobs) if s.logprobs is not None else None
+        return CompletionOutput(s.index, s.text, s.token_ids, s.cumulative_logprob, logprobs,
+                                s.finish_reason, s.stop_reason)
+
     def _request_output(self, p: _Pending) -> RequestOutput:
-        outputs = [CompletionOutput(s.index, s.detok.text, s.token_ids, s.cumulative_logprob,
-                                    s.logprobs, s.finish_reason, s.stop_reason)
-                   for s in sorted(p.sequences.values(), key=lambda s: s.index)]
+        st = p.state
+        prompt_lp = None
+        if st.prompt_logprobs is not None:
+            prompt_lp = [None, *self._positions(st.prompt_logprobs)]
         metrics = {}
-        if p.num_draft_tokens:
-            metrics = {"num_draft_tokens": p.num_draft_tokens,
-                       "num_accepted_tokens": p.num_accepted_tokens}
-        return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, p.prompt_logprobs,
-                             outputs, p.finished, p.num_cached_tokens, metrics)
+        if st.num_draft_tokens:
+            metrics = {"num_draft_tokens": st.num_draft_tokens,
+                       "num_accepted_tokens": st.num_accepted_tokens,
+                       "num_verify_steps": st.num_verify_steps,
+                       "mean_accepted_length": st.num_accepted_tokens / st.num_verify_steps}
+        return RequestOutput(st.request_id, p.prompt, st.prompt_token_ids, prompt_lp,
+                             [self._completion(s) for s in st.ordered()], st.finished,
+                             st.num_cached_tokens, metrics)
+
+
+class _Pending(NamedTuple):
+    state: RequestState
+    prompt: str | None  # the prompt text, when the caller gave text
 
 
 def load_tokenizer(path: str):

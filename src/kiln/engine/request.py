@@ -55,11 +55,18 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.spec_token_ids: list[int] = []
+        # the proposer's distribution for each draft (opaque here; kiln.spec.verify reads it),
+        # or None: drafts were chosen deterministically
+        self.spec_draft_probs = None
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, grown lazily
+        # kiln.structured: what the next draw may be (a grammar, a one-draw ban) and the
+        # repetition guard; None = unconstrained / unguarded
+        self.grammar = None  # TokenConstraint
+        self.guard = None  # GuardState
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -25,6 +25,7 @@ from kiln.engine.kv_manager import KVCacheManager
 from kiln.engine.outputs import EngineCoreOutput, RunnerOutput
 from kiln.engine.request import Request, RequestStatus
 from kiln.sampling_params import SamplingParams
+from kiln.structured.engine import no_check
 
 
 @dataclass
@@ -42,6 +43,7 @@ class ScheduledRequest:
     output_token_ids: list[int]
     prompt_logprobs: bool  # compute logprobs of the prompt tokens in this chunk
     grammar: object | None = None  # structured-output matcher (kiln.structured), if any
+    draft_probs: object | None = None  # the proposer's q for the scheduled drafts, if any
 
 
 @dataclass
@@ -67,6 +69,9 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        # kiln.structured: the verdict on each sampled token before it is appended (grammar,
+        # repetition guard); EngineCore installs StructuredEngine.check_token
+        self.token_check = no_check
 
     # -- intake ---------------------------------------------------------------------------
 
@@ -105,7 +110,7 @@ class Scheduler:
             self._finish(request, status)
             self._pending_outputs.append(EngineCoreOutput(
                 request_id=rid, new_token_ids=[], finish_reason=status.finish_reason,
-                num_cached_tokens=request.num_cached_tokens or 0))
+                stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens or 0))
 
     # -- schedule -------------------------------------------------------------------------
 
@@ -119,6 +124,9 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+            num_new = self._grammar_cap(request, request.num_computed_tokens, num_new)
+            if not num_new:
+                continue  # its grammar still compiles (or failed: it was finished)
             if not self._allocate_or_preempt(request, num_new, scheduled):
                 continue
             scheduled.append(self._describe(request, num_new))
@@ -148,17 +156,22 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.spec_token_ids = []
+        request.spec_token_ids, request.spec_draft_probs = [], None
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(request)
 
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+        deferred = []  # waiting for their grammar with nothing to prefill meanwhile
         while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._waiting[0][2]
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
-            num_new = request.num_tokens - num_cached
+            num_new = self._grammar_cap(request, num_cached, request.num_tokens - num_cached)
+            if not num_new:
+                if num_new == 0:
+                    deferred.append(heapq.heappop(self._waiting))
+                continue
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
@@ -172,7 +185,22 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._describe(request, num_new))
             budget -= num_new
+        for entry in deferred:
+            heapq.heappush(self._waiting, entry)
         return budget
+
+    def _grammar_cap(self, request: Request, start: int, num_new: int) -> int | None:
+        """Tokens to compute from `start`: all of them, or while the request's grammar still
+        compiles, all but the last (which would sample): the prompt prefills meanwhile.
+        None if the grammar failed to compile: the request is finished with an error."""
+        grammar = request.grammar
+        if grammar is None or grammar.ready():
+            return num_new
+        if grammar.error is not None:
+            request.stop_reason = grammar.error
+            self.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+            return None
+        return max(0, min(num_new, request.num_tokens - 1 - start))
 
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -189,7 +217,9 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids, output_token_ids=request.output_token_ids,
             prompt_logprobs=request.params.prompt_logprobs is not None
             and start < request.num_prompt_tokens,
-            grammar=getattr(request, "grammar", None))
+            grammar=getattr(request, "grammar", None),
+            draft_probs=None if request.spec_draft_probs is None or not drafts
+            else request.spec_draft_probs[:drafts])
 
     # -- update ---------------------------------------------------------------------------
 
@@ -216,12 +246,18 @@ class Scheduler:
             rejected = item.num_draft_tokens + 1 - len(sampled)
             request.num_computed_tokens -= rejected
             self.kv.trim(request, request.num_computed_tokens + 1)
-        request.spec_token_ids = []
+        request.spec_token_ids, request.spec_draft_probs = [], None
         new_tokens: list[int] = []
+        redrawn = False
         for token in sampled:
+            check = self.token_check(request, token)
+            if not check.keep:  # the repetition guard drops it: sample this position again
+                redrawn = True
+                self._resample_last(request)
+                break
             request.append_output_token(token)
             new_tokens.append(token)
-            if self._check_stop(request, token):
+            if self._check_stop(request, token, check.status):
                 break
         logprobs = result.logprobs[i][:len(new_tokens)] if result.logprobs else None
         return EngineCoreOutput(
@@ -229,12 +265,23 @@ class Scheduler:
             finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens or 0,
             num_draft_tokens=item.num_draft_tokens,
-            num_accepted_tokens=max(0, len(sampled) - 1) if item.num_draft_tokens else 0)
+            num_accepted_tokens=max(0, len(sampled) - 1) if item.num_draft_tokens else 0,
+            num_redraws=int(redrawn))
 
-    def _check_stop(self, request: Request, token: int) -> bool:
+    def _resample_last(self, request: Request) -> None:
+        """Forget the KV of the last kept token so the next step computes it again and
+        samples the position after it anew (its old sample was dropped)."""
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        self.kv.trim(request, request.num_tokens)
+
+    def _check_stop(self, request: Request, token: int,
+                    status: RequestStatus | None = None) -> bool:
+        """Whether `token` ends the request: `status` (from token_check), EOS, a stop token,
+        max_tokens or max_model_len."""
         params = request.params
-        status = None
-        if token in request.eos_token_ids and not params.ignore_eos:
+        if status is not None:
+            pass  # the token check decided: repetition, the grammar's end, or its error
+        elif token in request.eos_token_ids and not params.ignore_eos:
             status = RequestStatus.FINISHED_STOPPED
         elif token in params.stop_token_ids:
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token

@@ -20,6 +20,8 @@ from kiln.models.loader import load_model
 from kiln.runner.attention import get_attention_backend
 from kiln.runner.batch import BatchInputs, LogitsRows, build_batch
 from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs
+from kiln.spec.verify import VerifyGroup, verify
+from kiln.structured.bitmask import GrammarRows
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,14 @@ def num_kv_blocks(spec: KVCacheSpec, cache: CacheConfig, max_model_len: int,
     return max(1, min(wanted, cache.max_kv_cache_memory // spec.bytes_per_block))
 
 
+@dataclass
+class StepHidden:
+    """The last step's batch and final hidden states [T, H], kept for a speculator."""
+
+    batch: BatchInputs
+    hidden: torch.Tensor
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_path: str, cache: CacheConfig,
                  parallel: ParallelConfig, eos_token_ids: frozenset[int]):
@@ -71,6 +81,13 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(arch.vocab_size, eos_token_ids, model_config.seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.keep_hidden = False  # set by kiln.spec proposers that read hidden states
+        self.last_step: StepHidden | None = None
+
+    def _attention_backend(self, config: ModelConfig) -> str:
+        if config.attention_backend != "auto":
+            return config.attention_backend
+        return "cpu" if self.ops.name == "kernels" else "torch"
 
     def _attention_backend(self, config: ModelConfig) -> str:
         if config.attention_backend != "auto":
@@ -79,11 +96,17 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate K and V for every layer once: [num_blocks * block_size, Hkv, D] each.
-        Zeroed, so never-written slots read by padded attention lanes are finite."""
+        Left uninitialized, so the OS maps pages only as blocks are first written; attention
+        reads only written slots, except padded lanes of the reference path, which read slot 0
+        (masked out, but 0 x NaN would still be NaN): so block 0 is zeroed."""
         s = self.kv_spec
         shape = (num_blocks * s.block_size, s.num_kv_heads, s.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=s.dtype), torch.zeros(shape, dtype=s.dtype))
-                          for _ in range(s.num_layers)]
+        self.kv_caches = []
+        for _ in range(s.num_layers):
+            k, v = torch.empty(shape, dtype=s.dtype), torch.empty(shape, dtype=s.dtype)
+            k[:s.block_size].zero_()
+            v[:s.block_size].zero_()
+            self.kv_caches.append((k, v))
 
     def release(self, request_ids: list[str]) -> None:
         """Drop per-request state of finished requests."""
@@ -98,6 +121,8 @@ class ModelRunner:
         batch = build_batch(sched)
         meta = self.backend.build_metadata(batch.layout, batch.positions, self.kv_spec.block_size)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, meta)
+        if self.keep_hidden:  # a speculator (kiln.spec) reads this step's hidden states
+            self.last_step = StepHidden(batch, hidden)
         logits = self.model.compute_logits(hidden[batch.logits_index]).float()
         return self._outputs(sched, batch, logits)
 
@@ -112,30 +137,31 @@ class ModelRunner:
 
     def _sample(self, scheduled: list[ScheduledRequest], rows: list[LogitsRows],
                 logits: torch.Tensor):
-        """Sample every sampling row, then keep, per request, the drafts that the model's own
-        choices confirm plus one more token. Comparing drafts with tokens drawn from the
-        target distribution is exact for deterministic drafts (greedy or n-gram proposers)."""
-        sample_rows, index, owners = [], [], []
+        """Sample each request's row; a request with drafts has 1 + k rows, and
+        kiln.spec.verify decides which drafts stand and adds one token after them."""
+        sample_rows, index, groups, owners = [], [], [], []
+        grammar_rows = GrammarRows(self.vocab_size)  # kiln.structured: the step's bitmask
         for i, (item, r) in enumerate(zip(scheduled, rows, strict=True)):
+            if not r.num_sample:
+                continue
+            drafts = item.token_ids[len(item.token_ids) - item.num_draft_tokens:]
+            groups.append(VerifyGroup(len(sample_rows), drafts, item.draft_probs))
+            grammar_rows.add(item.grammar, len(sample_rows), drafts)
+            owners.append(i)
             for j in range(r.num_sample):
-                drafts_before = item.token_ids[len(item.token_ids) - item.num_draft_tokens:][:j]
-                sample_rows.append(self._row(item, drafts_before))
+                sample_rows.append(self._row(item, drafts[:j]))
                 index.append(r.sample_start + j)
-                owners.append(i)
         result = [[] for _ in scheduled]
         want_logprobs = any(item.params.logprobs is not None for item in scheduled)
         lp_result = [[] for _ in scheduled] if want_logprobs else None
         if not sample_rows:
             return result, lp_result
-        out = self.sampler(logits[torch.tensor(index)], sample_rows)
-        for k, (owner, token) in enumerate(zip(owners, out.token_ids, strict=True)):
-            item = scheduled[owner]
-            accepted = result[owner]
-            if accepted and not _draft_confirmed(item, accepted):
-                continue  # an earlier draft was rejected: later rows do not count
-            accepted.append(token)
-            if lp_result is not None and item.params.logprobs is not None:
-                lp_result[owner].append(out.logprobs[k])
+        out = verify(self.sampler, logits[torch.tensor(index)], sample_rows, groups,
+                     bitmask=grammar_rows.fill(sample_rows))
+        for g, owner in enumerate(owners):
+            result[owner] = out.token_ids[g]
+            if lp_result is not None and scheduled[owner].params.logprobs is not None:
+                lp_result[owner] = out.logprobs[g]
         return result, lp_result
 
     def _row(self, item: ScheduledRequest, drafts_before: list[int]) -> SamplingRow:
@@ -158,9 +184,3 @@ class ModelRunner:
         return compute_logprobs(logits[lo:lo + rows.num_prompt], targets,
                                 item.params.prompt_logprobs or 0)
 
-
-def _draft_confirmed(item: ScheduledRequest, accepted: list[int]) -> bool:
-    """Whether every token accepted so far equals the draft at its position."""
-    drafts = item.token_ids[len(item.token_ids) - item.num_draft_tokens:]
-    j = len(accepted) - 1
-    return j < len(drafts) and accepted[j] == drafts[j]

@@ -1,0 +1,210 @@
+"""Speculative decoding on the default model: decode tokens/s per proposer, domain and batch.
+
+  python benchmarks/speculative.py [--reps 3] [--max-tokens 48] [--out results.json]
+
+Configurations: off, n-gram, draft model (the `code-draft` preset), code head, prose head
+(presets built by `kiln train-speculator --preset NAME`; missing ones are skipped). Domains:
+code prompts (the opening of held-out standard-library files) and prose prompts (the opening
+of held-out pydoc topics), never text the speculators were trained on. Batch 1 runs three
+prompts one after another; batch 8 runs eight together. Greedy decoding with ignore_eos, so
+every configuration emits exactly the same tokens and only the time differs.
+Speed-ups are paired: per repetition, a configuration's rate over "off"'s rate measured
+moments apart in the same case, then the median over repetitions.
+
+Decode tokens/s = (tokens emitted after each request's first) / (time from the step where
+the last request got its first token to the end): prefill is excluded, the proposers' own
+prefill-time work is not. Tokens per CPU-second (this process's CPU time over the same span)
+is reported beside it: on a shared machine it moves much less with other people's load. Every configuration is warmed up once (adaptive speculation
+learns its costs), then the configurations run interleaved, in a shuffled order per
+repetition, and the median is reported. The machine is shared and noisy: figures are
+indicative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from transformers import AutoTokenizer  # noqa: F401  (import before engines start threads)
+
+from kiln import LLM, SamplingParams
+from kiln.engine.core import EngineRequest
+from kiln.spec.data import code_corpus, prose_corpus
+from kiln.spec.resolve import speculators_home
+
+CONFIGS = {"off": None, "ngram": "ngram", "draft": "code-draft", "code-head": "code-head",
+           "prose-head": "prose-head"}
+
+
+def code_prompts(tok, n: int, tokens: int) -> list[list[int]]:
+    """The first `tokens` tokens of held-out stdlib files that open with real code."""
+    out = []
+    for text in code_corpus("heldout"):
+        body = text[text.find("\nimport"):] if "\nimport" in text else text
+        ids = tok.encode(body.strip(), add_special_tokens=False)
+        if len(ids) >= tokens:
+            out.append(ids[:tokens])
+        if len(out) == n:
+            break
+    return out
+
+
+def prose_prompts(tok, n: int, tokens: int) -> list[list[int]]:
+    out = []
+    for text in prose_corpus("heldout"):
+        ids = tok.encode(" ".join(text.split()), add_special_tokens=False)
+        if len(ids) >= tokens:
+            out.append(ids[:tokens])
+        if len(out) == n:
+            break
+    return out
+
+
+@dataclass
+class Run:
+    decode_tokens: int
+    decode_seconds: float
+    cpu_seconds: float  # this process's CPU time over the same span (all its threads)
+    drafts: int
+    accepted: int
+    verify_steps: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds
+
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        return self.decode_tokens / self.cpu_seconds
+
+
+def decode(llm: LLM, prompts: list[list[int]], max_tokens: int) -> Run:
+    """Run the prompts together through the engine; time the decode phase only."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    before = _spec_counts(llm)
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(request_id=f"b{time.monotonic_ns()}-{i}",
+                                         prompt_token_ids=p, params=params))
+    started_decode, emitted, pending_first = None, 0, len(prompts)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.new_token_ids and pending_first and _first(out, engine):
+                pending_first -= 1
+            emitted += len(out.new_token_ids)
+        if started_decode is None and pending_first == 0:
+            started_decode, emitted_at_start = time.perf_counter(), emitted
+            started_cpu = time.process_time()
+    seconds = time.perf_counter() - started_decode
+    cpu = time.process_time() - started_cpu
+    after = _spec_counts(llm)
+    return Run(emitted - emitted_at_start, seconds, cpu,
+               *(a - b for a, b in zip(after, before, strict=True)))
+
+
+def _first(out, engine) -> bool:
+    request = engine.scheduler.requests.get(out.request_id)
+    return request is None or request.num_output_tokens == len(out.new_token_ids)
+
+
+def _spec_counts(llm: LLM) -> tuple[int, int, int]:
+    s = llm.engine.speculator
+    return (0, 0, 0) if s is None else (s.stats.num_draft_tokens, s.stats.num_accepted_tokens,
+                                        s.stats.num_verify_steps)
+
+
+def build(name: str, speculator: str | None, args) -> LLM | None:
+    if speculator not in (None, "ngram") and not (speculators_home() / speculator).is_dir():
+        print(f"skipping {name}: no {speculators_home() / speculator} "
+              f"(kiln train-speculator --preset {speculator})")
+        return None
+    return LLM(max_model_len=1024, kv_cache_memory=96 << 20, max_num_seqs=8,
+               num_threads=args.threads, speculator=speculator)
+
+
+def cases(prompts: dict[str, list[list[int]]], batch1_prompts: int):
+    for domain, ps in prompts.items():
+        yield domain, 1, [[p] for p in ps[:batch1_prompts]]  # batch 1: one by one
+        yield domain, 8, [ps[:8]]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--batch1-prompts", type=int, default=3)
+    parser.add_argument("--warmup-tokens", type=int, default=16,
+                        help="tokens per request in the untimed first pass")
+    parser.add_argument("--prompt-tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--out", default="speculative-results.json")
+    args = parser.parse_args()
+    llms = {n: llm for n in args.configs if (llm := build(n, CONFIGS[n], args)) is not None}
+    tok = next(iter(llms.values())).get_tokenizer()
+    prompts = {"code": code_prompts(tok, 8, args.prompt_tokens),
+               "prose": prose_prompts(tok, 8, args.prompt_tokens)}
+    runs: dict[tuple, list[Run]] = {}
+    run_log: list[dict] = []
+    for rep in range(args.reps + 1):  # rep 0 warms every configuration up
+        order = list(llms)
+        random.Random(rep).shuffle(order)
+        for domain, batch, groups in cases(prompts, args.batch1_prompts):
+            for name in order:
+                tokens = args.max_tokens if rep else args.warmup_tokens
+                parts = [decode(llms[name], g, tokens) for g in groups]
+                run = Run(*(sum(getattr(p, f) for p in parts) for f in Run.__dataclass_fields__))
+                run_log.append({"rep": rep, "domain": domain, "batch": batch, "config": name,
+                                **vars(run)})
+                if rep:
+                    runs.setdefault((name, domain, batch), []).append(run)
+                print(f"rep {rep} {domain:5s} batch {batch} {name:10s} "
+                      f"{run.tokens_per_s:6.1f} tok/s", flush=True)
+    report(runs, list(llms), args, run_log)
+    return 0
+
+
+def paired(runs: list[Run], base: list[Run], field: str) -> float:
+    """Median over repetitions of this configuration's rate over "off"'s rate in the same
+    repetition (run back to back): slow drifts in the machine's load cancel out."""
+    return statistics.median(getattr(r, field) / getattr(b, field)
+                             for r, b in zip(runs, base, strict=True))
+
+
+def report(runs: dict[tuple, list[Run]], names: list[str], args, run_log: list[dict]) -> None:
+    rows = []
+    for domain in ("code", "prose"):
+        for batch in (1, 8):
+            base = runs[("off", domain, batch)]
+            for name in names:
+                rs = runs[(name, domain, batch)]
+                steps = sum(r.verify_steps for r in rs)
+                rows.append({"domain": domain, "batch": batch, "config": name,
+                             "tokens_per_s": round(statistics.median(
+                                 r.tokens_per_s for r in rs), 2),
+                             "speedup": round(paired(rs, base, "tokens_per_s"), 3),
+                             "tokens_per_cpu_s": round(statistics.median(
+                                 r.tokens_per_cpu_s for r in rs), 2),
+                             "cpu_speedup": round(paired(rs, base, "tokens_per_cpu_s"), 3),
+                             "mean_accepted": round(sum(r.accepted for r in rs) / steps, 2)
+                             if steps else None,
+                             "all": [round(r.tokens_per_s, 2) for r in rs]})
+    print("\n| domain | batch | config | decode tok/s | vs off | tok per CPU-s | vs off | "
+          "accepted/verify (of 3) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        acc = "-" if r["mean_accepted"] is None else f"{r['mean_accepted']:.2f}"
+        print(f"| {r['domain']} | {r['batch']} | {r['config']} | {r['tokens_per_s']:.1f} | "
+              f"{r['speedup']:.2f}x | {r['tokens_per_cpu_s']:.1f} | {r['cpu_speedup']:.2f}x | "
+              f"{acc} |")
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "rows": rows, "runs": run_log}, f, indent=2)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,235 @@
+"""`kiln train-speculator`: train a draft head or distill a draft model for a target model.
+
+  kiln train-speculator --model M (--data FILES | --prompts FILE) --kind head|draft --out DIR
+  kiln train-speculator --preset code-head          # built-in data, into $KILN_HOME/speculators
+
+Steps: gather token chunks (from text files, or prompts answered first by the target itself),
+run the target over them recording its features and greedy choices, train, then write the
+speculator (safetensors + speculator.json), `loss.png` and `train.json` into DIR.
+`LLM(speculator=DIR)` and `kiln serve --speculator DIR` load the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import time
+from pathlib import Path
+
+PRESETS = {  # name -> (domain, kind)
+    "code-head": ("code", "head"),
+    "prose-head": ("prose", "head"),
+    "code-draft": ("code", "draft"),
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-speculator", help="train a speculator (draft head or model)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="target HF model dir (default: bundled model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", nargs="+", help="text files or directories to train on")
+    src.add_argument("--prompts", help="prompts (lines or JSONL) the target answers first")
+    src.add_argument("--domain", choices=("code", "prose"),
+                     help="built-in corpus: stdlib source or pydoc topics")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="built-in domain + kind + out")
+    p.add_argument("--kind", choices=("head", "draft"), default=None)
+    p.add_argument("--out", default=None, help="output directory")
+    p.add_argument("--max-tokens", type=int, default=65536, help="training tokens")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--doc-tokens", type=int, default=2048,
+                   help="at most this many tokens from each document (corpus variety)")
+    p.add_argument("--answer-tokens", type=int, default=256, help="--prompts: answer length")
+    p.add_argument("--epochs", type=int, default=None, help="default: 5 head, 2 draft")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=None, help="default: 3e-3 head, 1e-3 draft")
+    p.add_argument("--ttt-steps", type=int, default=3, help="head: unrolled draft steps")
+    p.add_argument("--draft-vocab-size", type=int, default=4096,
+                   help="head: tokens it may propose, most frequent first (0 = all)")
+    p.add_argument("--feature-layers", type=int, nargs="+", default=[-1],
+                   help="head: target features (-1 = final hidden, i = output of layer i)")
+    p.add_argument("--head-intermediate-size", type=int, default=None)
+    p.add_argument("--draft-layers", type=int, default=2, help="draft: layers it keeps")
+    p.add_argument("--dtype", default="auto", help="target dtype while recording")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    _apply_preset(args)
+    console = Console(stderr=True)
+    started = time.perf_counter()
+    plan = _Plan.from_args(args)
+    console.print(f"[bold]train-speculator[/]: {plan.kind} for {plan.model_path} "
+                  f"from {plan.source} -> {plan.out}")
+    record = _record(plan, console)
+    trained, history = _train(plan, record, console)
+    _save(plan, trained, history, time.perf_counter() - started)
+    held = " ".join(f"{x:.2f}" for x in history.eval_accuracy)
+    console.print(f"wrote {plan.out} (loss {history.loss[0]:.3f} -> {history.loss[-1]:.3f}, "
+                  f"held-out agreement {held or '-'}, {time.perf_counter() - started:.0f} s); "
+                  f"use it with LLM(speculator={str(plan.out)!r})")
+    return 0
+
+
+def _apply_preset(args: argparse.Namespace) -> None:
+    from kiln.cli import CliError
+
+    if args.preset:
+        domain, kind = PRESETS[args.preset]
+        if args.kind not in (None, kind):
+            raise CliError(f"--preset {args.preset} trains a {kind}, not a {args.kind}")
+        args.kind, args.domain = kind, args.domain or domain
+        if args.out is None:
+            from kiln.spec.resolve import speculators_home
+            args.out = str(speculators_home() / args.preset)
+    if not (args.data or args.prompts or args.domain):
+        raise CliError("give --data FILES, --prompts FILE, --domain or --preset")
+    if args.kind is None or args.out is None:
+        raise CliError("give --kind head|draft and --out DIR (or a --preset)")
+
+
+@dataclasses.dataclass
+class _Plan:
+    kind: str
+    model_path: Path
+    out: Path
+    source: str
+    args: argparse.Namespace
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> _Plan:
+        from kiln.engine.core import resolve_model_path
+
+        source = (f"domain {args.domain}" if args.domain else
+                  f"prompts {args.prompts}" if args.prompts else f"{len(args.data)} path(s)")
+        return cls(args.kind, Path(resolve_model_path(args.model)), Path(args.out), source, args)
+
+    def train_config(self):
+        from kiln.spec.train import TrainConfig
+
+        a = self.args
+        return TrainConfig(epochs=a.epochs or (5 if self.kind == "head" else 2),
+                           batch_size=a.batch_size,
+                           lr=a.lr or (3e-3 if self.kind == "head" else 1e-3),
+                           ttt_steps=a.ttt_steps, draft_vocab_size=a.draft_vocab_size,
+                           feature_layers=tuple(a.feature_layers) if self.kind == "head"
+                           else (-1,),
+                           intermediate_size=a.head_intermediate_size,
+                           draft_layers=a.draft_layers, seed=a.seed)
+
+
+def _documents(plan: _Plan, tokenizer) -> list[list[int]]:
+    from kiln.spec import data
+
+    a = plan.args
+    if a.prompts:
+        from kiln import LLM
+
+        llm = LLM(str(plan.model_path), dtype=a.dtype, num_threads=a.threads)
+        return data.generate_answers(llm, data.read_prompts(a.prompts), a.answer_tokens)
+    texts = data.domain_corpus(a.domain) if a.domain else data.read_text_files(a.data)
+    random.Random(a.seed).shuffle(texts)
+    docs = []
+    for tokens in data.tokenize_documents(tokenizer, texts):
+        docs.append(tokens[:a.doc_tokens])
+        if sum(map(len, docs)) >= a.max_tokens:
+            break
+    return docs
+
+
+def _record(plan: _Plan, console):
+    from rich.progress import Progress
+    from transformers import AutoTokenizer
+
+    from kiln.config import CacheConfig, ModelConfig, ParallelConfig
+    from kiln.runner.model_runner import ModelRunner
+    from kiln.spec.data import TargetRecord, chunk_tokens, record_target
+
+    a = plan.args
+    runner = ModelRunner(ModelConfig(model=str(plan.model_path), dtype=a.dtype),
+                         str(plan.model_path), CacheConfig(), ParallelConfig(a.threads),
+                         frozenset())
+    plan.target_model, plan.target_dtype = runner.model, runner.dtype
+    cached = _record_cache(plan)
+    if cached is not None and cached.is_file():
+        console.print(f"target record from cache: {cached}")
+        return TargetRecord.load(cached)
+    tokenizer = AutoTokenizer.from_pretrained(plan.model_path)
+    chunks = chunk_tokens(_documents(plan, tokenizer), a.seq_len, a.max_tokens)
+    with Progress(console=console, transient=False) as progress:
+        task = progress.add_task("recording the target", total=chunks.numel())
+        record = record_target(runner, chunks, plan.train_config().feature_layers,
+                               progress=lambda n: progress.advance(task, n))
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        record.save(cached)
+    return record
+
+
+def _record_cache(plan: _Plan) -> Path | None:
+    """Where the target's record of this data lives between runs (built-in domains and
+    --data only: answers to --prompts are generated afresh)."""
+    import hashlib
+
+    from kiln.spec.resolve import speculators_home
+
+    a = plan.args
+    if a.prompts:
+        return None
+    data = a.domain or sorted(str(Path(p).resolve()) for p in a.data)
+    key = json.dumps([str(plan.model_path), data, a.max_tokens, a.seq_len, a.doc_tokens,
+                      plan.train_config().feature_layers, a.seed, a.dtype])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return speculators_home() / ".records" / f"{digest}.safetensors"
+
+
+def _train(plan: _Plan, record, console):
+    from rich.progress import Progress
+
+    from kiln.spec import train
+
+    cfg = plan.train_config()
+    total = train._num_steps(len(train.split_sequences(len(record.tokens), cfg)[0]), cfg)
+    with Progress(console=console, transient=False) as progress:
+        task = progress.add_task(f"training the {plan.kind}", total=total)
+
+        def report(step, history):
+            acc = " ".join(f"{x:.2f}" for x in history.accuracy[-1])
+            line = f"training the {plan.kind}: loss {history.loss[-1]:.3f}, agreement {acc}"
+            progress.update(task, completed=step, description=line)
+            if not console.is_terminal and (step % max(1, total // 10) == 0 or step == total):
+                console.print(f"step {step}/{total}: {line}")  # logs get 10 lines
+
+        if plan.kind == "head":
+            trainer = train.HeadTrainer(plan.target_model, record, cfg, plan.model_path.name)
+            return trainer.head, trainer.fit(report)
+        return train.distill_draft(plan.model_path, record, cfg, report)
+
+
+def _save(plan: _Plan, trained, history, seconds: float) -> None:
+    import torch
+
+    from kiln.spec import train
+    from kiln.spec.eagle import save_head
+
+    dtype = torch.float32 if plan.target_dtype == torch.float32 else torch.bfloat16
+    if plan.kind == "head":
+        save_head(trained, plan.out, dtype)
+    else:
+        train.save_draft(trained, plan.model_path, plan.out, dtype)
+    train.plot_history(history, plan.out / "loss.png",
+                       f"{plan.kind} for {plan.model_path.name} ({plan.source})")
+    a = plan.args
+    (plan.out / "train.json").write_text(json.dumps({
+        "kind": plan.kind, "target": str(plan.model_path), "source": plan.source,
+        "command": {k: v for k, v in vars(a).items() if k != "func"},
+        "train_config": dataclasses.asdict(plan.train_config()),
+        "loss_first": history.loss[0], "loss_last": history.loss[-1],
+        "agreement_last": history.accuracy[-1], "agreement_heldout": history.eval_accuracy,
+        "seconds": round(seconds, 1)}, indent=2))

@@ -1,0 +1,180 @@
+"""Training data for speculators: text corpora, token chunks, and the target's view of them.
+
+Two built-in domains come from files every Python installation has, so anyone can rebuild
+the shipped speculators byte for byte on their own machine:
+  code   the standard library's own source (`sysconfig` stdlib dir; no site-packages, no tests)
+  prose  the English reference documentation in `pydoc_data/topics.py` (what `help()` shows)
+A deterministic split by file or topic name keeps 1 in 10 aside (`split="heldout"`) for
+benchmark prompts, so a speculator is never measured on its own training text.
+
+The target's view of a chunk of tokens is `TargetRecord`: per position its features (what
+the head reads: the final hidden state and/or chosen layers' outputs) and its greedy choice
+(the label the speculator learns: what the target itself would say next).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sysconfig
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DOMAINS = ("code", "prose")
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
+
+
+def _heldout(name: str) -> bool:
+    return hashlib.sha256(name.encode()).digest()[0] % 10 == 0
+
+
+def _keep(name: str, split: str) -> bool:
+    return _heldout(name) == (split == "heldout")
+
+
+def code_corpus(split: str = "train") -> list[str]:
+    """Standard-library source files (sorted by path), minus tests and site-packages."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = ("site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3")
+    texts = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if any(part in skip for part in path.relative_to(root).parts) or not _keep(rel, split):
+            continue
+        texts.append(path.read_text(encoding="utf-8", errors="replace"))
+    return texts
+
+
+def prose_corpus(split: str = "train") -> list[str]:
+    """The pydoc topics (English reference documentation), sorted by topic name."""
+    from pydoc_data.topics import topics
+
+    return [topics[name] for name in sorted(topics) if _keep(name, split)]
+
+
+def domain_corpus(domain: str, split: str = "train") -> list[str]:
+    if domain not in DOMAINS:
+        raise ValueError(f"unknown domain {domain!r}; built-in domains: {', '.join(DOMAINS)}")
+    return code_corpus(split) if domain == "code" else prose_corpus(split)
+
+
+def read_text_files(paths: Iterable[str]) -> list[str]:
+    """Files, and text files under directories (.py .txt .md .rst), sorted."""
+    texts = []
+    for name in paths:
+        path = Path(name)
+        if not path.exists():
+            raise FileNotFoundError(f"no such file or directory: {name}")
+        files = [path] if path.is_file() else sorted(
+            p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
+        texts.extend(f.read_text(encoding="utf-8", errors="replace") for f in files)
+    return texts
+
+
+def read_prompts(path: str) -> list[str | list[dict]]:
+    """One prompt per line, or JSONL with "prompt" (text) or "messages" (a chat) per line."""
+    prompts: list[str | list[dict]] = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            row = json.loads(line)
+            prompts.append(row["messages"] if "messages" in row else row["prompt"])
+        else:
+            prompts.append(line)
+    return prompts
+
+
+def chunk_tokens(token_lists: Iterable[list[int]], seq_len: int,
+                 max_tokens: int | None = None) -> torch.Tensor:
+    """Concatenate documents and cut [N, seq_len] chunks (a ragged tail is dropped)."""
+    flat: list[int] = []
+    for tokens in token_lists:
+        flat.extend(tokens)
+        if max_tokens is not None and len(flat) >= max_tokens:
+            break
+    flat = flat[:max_tokens] if max_tokens is not None else flat
+    n = len(flat) // seq_len
+    if n == 0:
+        raise ValueError(f"not enough text: {len(flat)} tokens, need at least {seq_len}")
+    return torch.tensor(flat[:n * seq_len]).view(n, seq_len)
+
+
+def tokenize_documents(tokenizer, texts: Iterable[str]) -> Iterable[list[int]]:
+    for text in texts:
+        yield tokenizer.encode(text, add_special_tokens=False)
+
+
+def generate_answers(llm, prompts: list, max_tokens: int) -> list[list[int]]:
+    """Prompt + the target's own greedy answer, as token ids (self-distillation data).
+    Prompts are text, token-id lists, or chats (lists of messages)."""
+    from kiln.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    chats = [p for p in prompts if isinstance(p, list) and p and isinstance(p[0], dict)]
+    plain = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts
+             if not (isinstance(p, list) and p and isinstance(p[0], dict))]
+    outs = (llm.generate(plain, params, use_tqdm=True) if plain else []) + (
+        llm.chat(chats, params, use_tqdm=True) if chats else [])
+    return [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+
+
+@dataclass
+class TargetRecord:
+    """The target's view of N chunks of S tokens."""
+
+    tokens: torch.Tensor  # [N, S] int64
+    features: torch.Tensor  # [N, S, n_feat * H] in the target's dtype
+    labels: torch.Tensor  # [N, S] int64: the target's greedy choice after each position
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+        save_file({"tokens": self.tokens, "features": self.features.contiguous(),
+                   "labels": self.labels}, str(path))
+
+    @classmethod
+    def load(cls, path: Path) -> TargetRecord:
+        from safetensors.torch import load_file
+        t = load_file(str(path))
+        return cls(t["tokens"], t["features"], t["labels"])
+
+
+@torch.inference_mode()
+def record_target(runner, chunks: torch.Tensor, feature_layers: tuple[int, ...],
+                  batch_size: int = 4, progress: Callable[[int], None] | None = None
+                  ) -> TargetRecord:
+    """Run the target (a ModelRunner) over each chunk as a fresh prompt; keep its features
+    and greedy choices. Uses a scratch KV cache of batch_size x S slots."""
+    from kiln.runner.attention import SeqLayout
+    from kiln.spec.eagle import FeatureTap
+
+    n, seq_len = chunks.shape
+    bs = runner.kv_spec.block_size
+    blocks_per_seq = -(-seq_len // bs)
+    runner.allocate_kv_cache(batch_size * blocks_per_seq)
+    tap = FeatureTap(runner.model, feature_layers)
+    features, labels = [], []
+    for lo in range(0, n, batch_size):
+        batch = chunks[lo:lo + batch_size]
+        b = len(batch)
+        layout = SeqLayout(torch.arange(b) * seq_len, torch.full((b,), seq_len),
+                           torch.zeros(b, dtype=torch.int64),
+                           torch.arange(b * blocks_per_seq).view(b, blocks_per_seq))
+        positions = torch.arange(seq_len).repeat(b)
+        meta = runner.backend.build_metadata(layout, positions, bs)
+        hidden = runner.model(batch.reshape(-1), positions, runner.kv_caches, meta)
+        every = torch.arange(b * seq_len)
+        features.append(tap.features(hidden, every).view(b, seq_len, -1).clone())
+        labels.append(_greedy(runner.model, hidden).view(b, seq_len))
+        if progress is not None:
+            progress(b * seq_len)
+    return TargetRecord(chunks, torch.cat(features), torch.cat(labels))
+
+
+def _greedy(model, hidden: torch.Tensor, rows: int = 512) -> torch.Tensor:
+    """argmax of the LM head, computed in slices (full-vocabulary logits are large)."""
+    return torch.cat([model.compute_logits(hidden[i:i + rows]).argmax(dim=-1)
+                      for i in range(0, len(hidden), rows)])

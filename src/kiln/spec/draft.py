@@ -1,0 +1,134 @@
+"""Draft-model proposer: a smaller checkpoint sharing the target's tokenizer guesses greedily.
+
+The draft model runs in kiln's own machinery: a `ModelRunner` (its weights, its paged KV
+tensors, greedy sampling) and a `KVCacheManager` over its own block pool, with prefix caching.
+Each target request has a shadow `Request` on the draft side whose `all_token_ids` are the
+target's verified tokens only; this round's drafts ride beyond them as extra tokens, as they
+do on the target side, so the draft's prefix cache never publishes an unverified block.
+
+One round for the requests that want drafts, batched:
+  1. sync: keep the draft KV of the longest prefix that the target verified (the verified
+     tokens plus the drafts it accepted), trim the rest, append the new verified tokens;
+  2. catch up: compute every verified token the draft has not seen; the last one's greedy
+     choice is draft 1;
+  3. k - 1 single-token steps: draft j from draft j - 1.
+A request whose draft KV cannot be allocated gets no drafts this round (and loses its draft
+cache state); when adaptive speculation pauses drafting, shadows simply lag and catch up later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kiln.engine.kv_manager import KVCacheManager
+from kiln.engine.request import Request
+from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kiln.sampling_params import SamplingParams
+from kiln.spec.proposer import Draft, DraftRequest, ProposerContext, register_proposer
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
+
+
+@dataclasses.dataclass
+class _Shadow:
+    request: Request  # verified tokens only; num_computed_tokens = positions with draft KV
+    drafted: list[int] = dataclasses.field(default_factory=list)  # computed beyond verified
+
+
+@register_proposer("draft")
+class DraftModelProposer:
+    def __init__(self, config, ctx: ProposerContext):
+        from kiln.runner.model_runner import ModelRunner, num_kv_blocks
+
+        model_config = dataclasses.replace(ctx.model, model=config.model, quantization=None)
+        self.runner = ModelRunner(model_config, config.model, ctx.cache, ctx.parallel,
+                                  ctx.eos_token_ids)
+        if self.runner.vocab_size != ctx.target.vocab_size:
+            raise ValueError(f"draft model {config.model} has a vocabulary of "
+                             f"{self.runner.vocab_size}, the target {ctx.target.vocab_size}: "
+                             f"a draft model must share the target's tokenizer")
+        cache = dataclasses.replace(ctx.cache, kv_cache_memory=config.draft_kv_cache_memory)
+        num_blocks = num_kv_blocks(self.runner.kv_spec, cache, ctx.max_model_len,
+                                   ctx.scheduler.max_num_seqs)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(ctx.cache, num_blocks)
+        self.shadows: dict[str, _Shadow] = {}
+        self._finished: list[str] = []
+
+    def propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]) -> list[Draft]:
+        live = {}  # index in wanted -> shadow
+        for i, w in enumerate(wanted):
+            shadow = self._sync(w.request)
+            if shadow is not None:
+                live[i] = shadow
+        drafts: dict[int, list[int]] = {i: [] for i in live}
+        tokens = {i: s.request.all_token_ids[s.request.num_computed_tokens:]
+                  for i, s in live.items()}
+        for _ in range(max((wanted[i].max_drafts for i in live), default=0)):
+            tokens = self._step(live, tokens)
+            for i, token in tokens.items():
+                drafts[i].append(token[0])
+            tokens = {i: t for i, t in tokens.items() if len(drafts[i]) < wanted[i].max_drafts}
+        for i, shadow in live.items():
+            shadow.drafted = drafts[i][:-1]  # the last draft was chosen, never computed
+        return [Draft(drafts.get(i, [])) for i in range(len(wanted))]
+
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            shadow = self.shadows.pop(rid, None)
+            if shadow is not None:
+                self.kv.free(shadow.request)
+                self._finished.append(rid)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _sync(self, target: Request) -> _Shadow | None:
+        """The request's shadow with draft KV trimmed to what the target verified."""
+        shadow = self.shadows.get(target.request_id)
+        if shadow is None:
+            return self._admit(target)
+        req, verified = shadow.request, target.all_token_ids
+        known = req.num_tokens
+        agree = 0
+        while (agree < len(shadow.drafted) and known + agree < len(verified)
+               and shadow.drafted[agree] == verified[known + agree]):
+            agree += 1
+        req.num_computed_tokens = min(req.num_computed_tokens, known + agree)
+        self.kv.trim(req, req.num_computed_tokens)
+        for token in verified[known:]:
+            req.append_output_token(token)
+        shadow.drafted = []
+        return shadow
+
+    def _admit(self, target: Request) -> _Shadow | None:
+        req = Request(target.request_id, target.all_token_ids, GREEDY)
+        cached = self.kv.find_cached_prefix(req)
+        if not self.kv.allocate(req, 0, cached):
+            return None
+        req.num_computed_tokens = len(cached) * self.kv.block_size
+        shadow = self.shadows[target.request_id] = _Shadow(req)
+        return shadow
+
+    def _step(self, live: dict[int, _Shadow], tokens: dict[int, list[int]]
+              ) -> dict[int, list[int]]:
+        """Compute `tokens` for each listed shadow; returns each one's greedy next token."""
+        items, owners = [], []
+        for i, new in tokens.items():
+            req = live[i].request
+            if not self.kv.allocate(req, len(new)):
+                self.release([req.request_id])
+                continue
+            items.append(ScheduledRequest(
+                request_id=req.request_id, token_ids=new, start_pos=req.num_computed_tokens,
+                num_draft_tokens=0, block_ids=self.kv.block_ids(req.request_id), samples=True,
+                params=GREEDY, prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=req.output_token_ids, prompt_logprobs=False))
+            owners.append(i)
+        if not items:
+            return {}
+        finished, self._finished = self._finished, []
+        out = self.runner.execute(SchedulerOutput(items, sum(len(t.token_ids) for t in items),
+                                                  finished))
+        for i, item in zip(owners, items, strict=True):
+            live[i].request.num_computed_tokens += len(item.token_ids)
+        return {i: sampled for i, sampled in zip(owners, out.sampled_token_ids, strict=True)}

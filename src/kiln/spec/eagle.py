@@ -1,0 +1,236 @@
+"""An EAGLE-style draft head: one small decoder layer riding on the target's hidden states.
+
+At position p the head reads the target's features F_p (its final hidden state, optionally
+with intermediate layers' outputs, EAGLE-3 style) and the embedding of the next token
+t_{p+1}, and predicts h_{p+1}, an estimate of the target's feature at p + 1; the target's own
+LM head (restricted to a frequent-token draft vocabulary) turns that into a guess for
+t_{p+2}. The head then runs on its own outputs: (h_{p+1}, draft_1) -> h_{p+2} -> draft_2, ...
+
+  x = fc([embed(t_{p+1}); g_p])     g_p = fuse(F_p) for verified positions, h_p for drafts
+  h_{p+1} = DecoderLayer(x)         attention over the head's own KV of earlier positions
+  logits = lm_head_rows(norm(h_{p+1}))
+
+Attention comes in three shapes with one meaning ("step 1 keys causally, then this round's
+own draft keys"): over verified positions the head attends its paged KV cache (same slots as
+the target, so prefix caching and rollback come free); draft steps attend that context plus
+their round's earlier draft keys (`ChainAttention`); training unrolls the same chain for
+every position at once (kiln.spec.train). The embedding and LM head are the target's; the
+head owns `fuse`, `fc`, the layer and a norm (a few million parameters). The proposer that
+runs it inside the engine is kiln.spec.head.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.models.layers.linear import Linear, get_linear_method
+from kiln.models.layers.onednn import onednn_available
+
+HEAD_WEIGHTS = "head.safetensors"
+FINAL = -1  # feature layer id of the target's final (normed) hidden state
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int  # target token ids the head can propose (most frequent first)
+    feature_layers: tuple[int, ...] = (FINAL,)  # FINAL, or i = output of target layer i
+    target: str = ""  # the target model it was trained for (informational)
+    kind: str = "head"
+
+    @classmethod
+    def for_target(cls, arch, draft_vocab_size: int, feature_layers=(FINAL,),
+                   target: str = "", intermediate_size: int | None = None) -> HeadConfig:
+        return cls(arch.hidden_size, intermediate_size or arch.intermediate_size,
+                   arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps,
+                   arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings,
+                   arch.vocab_size, draft_vocab_size, tuple(feature_layers), target)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> HeadConfig:
+        raw = json.loads(text)
+        raw["feature_layers"] = tuple(raw["feature_layers"])
+        return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, 1, D] (rotate-half layout, as the target)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class HeadLayer(nn.Module):
+    """A pre-norm Llama decoder layer in plain torch (HF weight names). Attention is a
+    callable (q [T, Hq, D], k, v [T, Hkv, D], after rotary) -> [T, Hq * D]."""
+
+    def __init__(self, c: HeadConfig):
+        super().__init__()
+        h, q_size, kv_size = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.c = c
+        self.input_layernorm = nn.Parameter(torch.ones(h))
+        self.q_proj, self.o_proj = nn.Linear(h, q_size, bias=False), nn.Linear(q_size, h, False)
+        self.k_proj, self.v_proj = nn.Linear(h, kv_size, bias=False), nn.Linear(h, kv_size, False)
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+
+    def forward(self, x, cos, sin, attend) -> torch.Tensor:
+        c = self.c
+        a = rms_norm(x, self.input_layernorm, c.rms_norm_eps)
+        q = apply_rotary(self.q_proj(a).view(-1, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rotary(self.k_proj(a).view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        v = self.v_proj(a).view(-1, c.num_kv_heads, c.head_dim)
+        h = x + self.o_proj(attend(q, k, v))
+        m = rms_norm(h, self.post_attention_layernorm, c.rms_norm_eps)
+        return h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+
+
+class EagleHead(nn.Module):
+    def __init__(self, c: HeadConfig, draft_vocab: torch.Tensor | None = None):
+        super().__init__()
+        self.c = c
+        n_feat, h = len(c.feature_layers), c.hidden_size
+        self.fuse = nn.Linear(n_feat * h, h, bias=False) if n_feat > 1 else None
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = HeadLayer(c)
+        self.norm = nn.Parameter(torch.ones(h))
+        ids = torch.arange(c.draft_vocab_size) if draft_vocab is None else draft_vocab
+        self.register_buffer("draft_vocab", ids.to(torch.int64))  # [Vd] target ids
+
+    def features(self, target_features: torch.Tensor) -> torch.Tensor:
+        """[T, n_feat * H] target features -> [T, H] (g for verified positions)."""
+        return target_features if self.fuse is None else self.fuse(target_features)
+
+    def forward(self, g: torch.Tensor, token_emb: torch.Tensor, cos, sin, attend) -> torch.Tensor:
+        """One step at T positions: -> h [T, H] (the next feature estimate, pre-norm)."""
+        return self.layer(self.fc(torch.cat((token_emb, g.to(token_emb.dtype)), dim=-1)),
+                          cos, sin, attend)
+
+    def logits(self, h: torch.Tensor, lm_rows: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, Vd] over the draft vocabulary; lm_rows = target LM head rows."""
+        return F.linear(rms_norm(h, self.norm, self.c.rms_norm_eps), lm_rows)
+
+
+class ChainAttention:
+    """Draft steps of one round: each sequence's query attends its context keys (the paged
+    cache of verified positions, gathered once) plus the keys of this round's earlier steps.
+    Rows are sequences: q [B, Hq, D], k/v [B, Hkv, D]."""
+
+    def __init__(self, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_valid: torch.Tensor,
+                 scale: float):
+        self.keys, self.values = [ctx_k], [ctx_v]  # [B, Kctx, Hkv, D]
+        self.valid = ctx_valid  # [B, Kctx] bool
+        self.scale = scale
+
+    def __call__(self, q, k, v) -> torch.Tensor:
+        self.keys.append(k[:, None])
+        self.values.append(v[:, None])
+        keys = torch.cat(self.keys, dim=1).transpose(1, 2)  # [B, Hkv, K, D]
+        values = torch.cat(self.values, dim=1).transpose(1, 2)
+        own = torch.ones(len(q), len(self.keys) - 1, dtype=torch.bool)
+        mask = torch.cat((self.valid, own), dim=1)[:, None, None, :]  # [B, 1, 1, K]
+        out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask,
+                                             scale=self.scale,
+                                             enable_gqa=q.shape[1] != keys.shape[1])
+        return out.reshape(len(q), -1)
+
+
+def save_head(head: EagleHead, out_dir: Path, dtype: torch.dtype) -> None:
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to(dtype if t.is_floating_point() else t.dtype).contiguous()
+               for name, t in head.state_dict().items()}
+    save_file(tensors, str(out_dir / HEAD_WEIGHTS))
+    (out_dir / "speculator.json").write_text(head.c.to_json())
+
+
+def load_head(path: str | Path, dtype: torch.dtype) -> EagleHead:
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = HeadConfig.from_json((path / "speculator.json").read_text())
+    tensors = load_file(str(path / HEAD_WEIGHTS))
+    head = EagleHead(config, tensors["draft_vocab"])
+    head.load_state_dict(tensors)
+    return head.to(dtype).eval().requires_grad_(False)
+
+
+def packed_linear(weight: torch.Tensor) -> Linear:
+    """A kiln Linear holding `weight` [out, in] in the dense format the target's own layers
+    use (oneDNN-prepacked bf16 where available: torch's generic bf16 matrix-vector product
+    is several times slower at one token)."""
+    dtype = weight.dtype
+    method = get_linear_method("dense-onednn" if onednn_available(dtype) else "dense")
+    layer = Linear(weight.shape[1], weight.shape[0], dtype=dtype, method=method)
+    method.load_shard(layer, 0, "weight", weight)
+    method.finalize(layer)
+    return layer
+
+
+def pack_for_inference(head: EagleHead) -> EagleHead:
+    """Swap every nn.Linear of a loaded head for a `packed_linear` (same math)."""
+    for module in list(head.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, packed_linear(child.weight.data))
+    return head
+
+
+# -- inference helpers (kiln.spec.head) ----------------------------------------------------------
+
+
+class FeatureTap:
+    """The target features a head reads at given flat token rows: the final hidden state
+    (FINAL) and/or the residual stream after chosen decoder layers, captured by forward hooks
+    during each target forward (so the target's own code needs no changes)."""
+
+    def __init__(self, model: nn.Module, layers: tuple[int, ...]):
+        self.layers = layers
+        self._captured: dict[int, torch.Tensor] = {}
+        for i in layers:
+            if i != FINAL:
+                model.model.layers[i].register_forward_hook(self._hook(i))
+
+    def _hook(self, i: int):
+        def capture(module, args, output):
+            x, residual = output if isinstance(output, tuple) else (output, None)
+            self._captured[i] = x if residual is None else x + residual
+        return capture
+
+    def features(self, final_hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """[len(index), n_feat * H] (each feature's rows at `index`, concatenated)."""
+        return torch.cat([final_hidden[index] if i == FINAL else self._captured[i][index]
+                          for i in self.layers], dim=-1)
+
+
+def lm_head_rows(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The target's LM head weight rows for `ids` ([Vd, H]); the embedding when tied."""
+    weight = getattr(model.lm_head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        weight = model.model.embed_tokens.weight  # a packed/quantized LM head: tied rows
+    return weight[ids].contiguous()

@@ -1,0 +1,214 @@
+"""The EAGLE-style head as a proposer: it follows the target step by step, lazily.
+
+The head's KV cache is one layer's worth of K and V over the target's own slots, indexed by
+the target's block tables: the head's KV of position p sits in the block where the target
+keeps its KV of p, so prefix-cache hits hand over both, and rejected drafts need no rollback.
+
+To fill it, the head must run over every verified position p with the target's features at
+p and the token after it. A head forward costs about the same for one position as for a
+hundred (its weights dominate), and while adaptive speculation has drafting switched off a
+forward per step would be pure overhead. So after each step the proposer only gathers the
+target's features of the newly verified positions (one index operation) and keeps them per
+request; the head runs over a request's pending positions, as one batch, when the request
+next drafts (its last output gives draft 1) or when it finishes (so the blocks it leaves in
+the prefix cache carry complete head KV). Requests that leave without running a step (an
+abort between steps) drop their pending positions: their blocks may already be reused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kiln.models.layers.rotary import RotaryEmbedding
+from kiln.runner.attention import SeqLayout
+from kiln.spec.eagle import (
+    ChainAttention,
+    FeatureTap,
+    lm_head_rows,
+    load_head,
+    pack_for_inference,
+    packed_linear,
+    rms_norm,
+)
+from kiln.spec.proposer import Draft, DraftRequest, ProposerContext, register_proposer
+
+
+def verified_spans(sched: SchedulerOutput) -> list[tuple[int, ScheduledRequest, int]]:
+    """(batch index, scheduled request, n) for each request whose first n computed positions
+    of this step are verified and followed by a known token: the positions the head can
+    run over (a step's rejected drafts and its newest token are not among them)."""
+    spans = []
+    for i, item in enumerate(sched.scheduled):
+        known = len(item.prompt_token_ids) + len(item.output_token_ids)
+        n = min(len(item.token_ids), known - 1 - item.start_pos)
+        if n > 0:
+            spans.append((i, item, n))
+    return spans
+
+
+def token_slice(item: ScheduledRequest, start: int, end: int) -> list[int]:
+    """Tokens [start, end) of a scheduled request's prompt + output, without copying both."""
+    prompt, output, n = item.prompt_token_ids, item.output_token_ids, len(item.prompt_token_ids)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return output[start - n:end - n]
+    return prompt[start:] + output[:end - n]
+
+
+@dataclass
+class _Pending:
+    """A request's verified positions [start, end) that the head has not run over yet."""
+
+    start: int
+    item: ScheduledRequest  # where it was last scheduled: live token lists and block table
+    step: int  # the round it was last scheduled in
+    feats: list[torch.Tensor] = field(default_factory=list)  # [n_i, F] chunks, in order
+
+    @property
+    def end(self) -> int:
+        return self.start + sum(len(f) for f in self.feats)
+
+    def truncate(self, position: int) -> None:
+        """Forget features from `position` on (the target recomputes them)."""
+        kept, at = [], self.start
+        for chunk in self.feats:
+            if at >= position:
+                break
+            kept.append(chunk[:position - at])
+            at += len(chunk)
+        self.feats = kept
+
+
+@register_proposer("head")
+class HeadProposer:
+    def __init__(self, config, ctx: ProposerContext):
+        runner = ctx.target
+        model, arch = runner.model, runner.model.arch
+        self.head = pack_for_inference(load_head(config.model, runner.dtype))
+        c = self.head.c
+        if (c.hidden_size, c.vocab_size) != (arch.hidden_size, arch.vocab_size):
+            raise ValueError(f"head {config.model} was trained for a model with hidden "
+                             f"size {c.hidden_size} and vocabulary {c.vocab_size}; the "
+                             f"target has {arch.hidden_size} and {arch.vocab_size}")
+        self.target, self.block_size = runner, ctx.cache.block_size
+        self.embed = model.model.embed_tokens
+        self.lm = packed_linear(lm_head_rows(model, self.head.draft_vocab))
+        rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
+                                 c.rope_scaling, runner.dtype)
+        self.cos, self.sin = rotary.cos, rotary.sin
+        self.tap = FeatureTap(model, c.feature_layers)
+        self.paged, self.scale = runner.backend, c.head_dim ** -0.5  # the target's kernels
+        shape = (runner.kv_caches[0][0].shape[0], c.num_kv_heads, c.head_dim)  # target slots
+        self.kv = (torch.zeros(shape, dtype=runner.dtype),
+                   torch.zeros(shape, dtype=runner.dtype))
+        self.pending: dict[str, _Pending] = {}
+        self.rounds = 0
+        runner.keep_hidden = True
+
+    @torch.inference_mode()
+    def propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]) -> list[Draft]:
+        self.rounds += 1
+        step = self.target.last_step
+        if step is not None and not sched.empty:
+            self._collect(sched, step)
+        if not wanted:
+            return []
+        return self._draft(wanted, self._run([w.request.request_id for w in wanted]))
+
+    @torch.inference_mode()
+    def release(self, request_ids: list[str]) -> None:
+        due = [rid for rid in request_ids
+               if rid in self.pending and self.pending[rid].step == self.rounds]
+        self._run(due)  # blocks freed this step are not reused before the next schedule
+        for rid in request_ids:
+            self.pending.pop(rid, None)
+
+    # -- catching up ----------------------------------------------------------------------
+
+    def _collect(self, sched: SchedulerOutput, step) -> None:
+        """Keep the target's features of each request's newly verified positions."""
+        spans = verified_spans(sched)
+        if not spans:
+            return
+        starts = step.batch.layout.query_start
+        flat = torch.cat([torch.arange(n) + int(starts[i]) for i, _, n in spans])
+        chunks = self.tap.features(step.hidden, flat).split([n for _, _, n in spans])
+        for (_, item, _), chunk in zip(spans, chunks, strict=True):
+            p = self.pending.get(item.request_id)
+            if p is None or not p.start <= item.start_pos <= p.end:
+                p = self.pending[item.request_id] = _Pending(item.start_pos, item, self.rounds)
+            elif item.start_pos < p.end:  # recomputed after a preemption
+                p.truncate(item.start_pos)
+            p.feats.append(chunk)
+            p.item, p.step = item, self.rounds
+
+    def _run(self, request_ids: list[str]) -> dict:
+        """Run the head over these requests' pending positions, as one batch; returns per
+        request its last output h, its context length and its block-table row."""
+        entries = [(rid, self.pending.pop(rid)) for rid in request_ids if rid in self.pending]
+        entries = [(rid, p) for rid, p in entries if p.feats]
+        if not entries:
+            return {}
+        lens = torch.tensor([p.end - p.start for _, p in entries])
+        positions = torch.cat([torch.arange(p.start, p.end) for _, p in entries])
+        tokens = torch.tensor([t for _, p in entries  # the token after each position
+                               for t in token_slice(p.item, p.start + 1, p.end + 1)])
+        width = max(len(p.item.block_ids) for _, p in entries)
+        rows = torch.tensor([p.item.block_ids + [0] * (width - len(p.item.block_ids))
+                             for _, p in entries])
+        layout = SeqLayout(torch.cumsum(lens, 0) - lens, lens,
+                           torch.tensor([p.start for _, p in entries]), rows)
+        meta = self.paged.build_metadata(layout, positions, self.block_size)
+
+        def attend(q, k, v):
+            return self.paged.forward(q, k, v, self.kv, meta, self.scale)
+
+        g = self.head.features(torch.cat([f for _, p in entries for f in p.feats]))
+        h = self.head(g, self.embed(tokens), *self._rope(positions), attend)
+        ends = (torch.cumsum(lens, 0) - 1).tolist()
+        return {rid: (h[end], p.end, row)
+                for (rid, p), end, row in zip(entries, ends, rows, strict=True)}
+
+    # -- drafting -------------------------------------------------------------------------
+
+    def _draft(self, wanted: list[DraftRequest], last: dict) -> list[Draft]:
+        live = [i for i, w in enumerate(wanted) if w.request.request_id in last]
+        out = [Draft() for _ in wanted]
+        if not live:
+            return out
+        rows = [last[wanted[i].request.request_id] for i in live]
+        h = torch.stack([r[0] for r in rows])
+        ctx_len = torch.tensor([r[1] for r in rows])
+        token = self._pick(h)
+        drafts = [token]
+        k = max(wanted[i].max_drafts for i in live)
+        if k > 1:
+            chain = self._chain(ctx_len, torch.stack([r[2] for r in rows]))
+            for j in range(k - 1):
+                h = self.head(h, self.embed(token), *self._rope(ctx_len + j), chain)
+                token = self._pick(h)
+                drafts.append(token)
+        table = torch.stack(drafts, dim=1).tolist()
+        for b, i in enumerate(live):
+            out[i] = Draft(table[b][:wanted[i].max_drafts])
+        return out
+
+    def _rope(self, positions: torch.Tensor):
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+    def _pick(self, h: torch.Tensor) -> torch.Tensor:
+        normed = rms_norm(h, self.head.norm, self.head.c.rms_norm_eps)
+        return self.head.draft_vocab[self.lm(normed).argmax(dim=-1)]
+
+    def _chain(self, ctx_len: torch.Tensor, tables: torch.Tensor) -> ChainAttention:
+        """Gather each sequence's head KV of positions < ctx_len once per round."""
+        bs, k_max = self.block_size, int(ctx_len.max())
+        pos = torch.arange(k_max)
+        slots = tables[:, (pos // bs).clamp(max=tables.shape[1] - 1)] * bs + pos % bs
+        valid = pos[None, :] < ctx_len[:, None]
+        slots = torch.where(valid, slots, 0)
+        return ChainAttention(self.kv[0][slots], self.kv[1][slots], valid, self.scale)

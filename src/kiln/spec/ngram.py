@@ -1,0 +1,45 @@
+"""N-gram (prompt lookup) proposer: if the last n tokens appeared before, guess what followed.
+
+For n from `ngram_max` down to `ngram_min`, look for the latest earlier occurrence of the
+sequence's last n tokens in its own prompt and output; the first n that matches proposes the
+tokens that followed that occurrence (the latest one that is followed by k tokens). Longer
+matches are more specific, recent ones more relevant (code and documents repeat their own
+identifiers and phrases). Costs a few numpy
+comparisons over the sequence per step; no model, no state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.config import SpeculativeConfig
+from kiln.engine.scheduler import SchedulerOutput
+from kiln.spec.proposer import Draft, DraftRequest, ProposerContext, register_proposer
+
+
+def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to k tokens that followed an earlier occurrence of the longest matching suffix: the
+    latest one followed by k tokens, else the earliest (whose continuation is longest)."""
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        suffix = tokens[size - n:]
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:size - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            full = hits[hits + n + k <= size]  # occurrences followed by k known tokens
+            start = int(full[-1] if len(full) else hits[0]) + n
+            return tokens[start:start + k].tolist()
+    return []
+
+
+@register_proposer("ngram")
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig, ctx: ProposerContext | None = None):
+        self.n_min, self.n_max = config.ngram_min, config.ngram_max
+
+    def propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]) -> list[Draft]:
+        return [Draft(propose_ngram(np.asarray(w.request.all_token_ids), w.max_drafts,
+                                    self.n_min, self.n_max)) for w in wanted]
+
+    def release(self, request_ids: list[str]) -> None:
+        pass

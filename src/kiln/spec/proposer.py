@@ -1,0 +1,98 @@
+"""The proposer interface: a speculator that guesses the next tokens of running requests.
+
+Lifecycle, driven by `kiln.spec.speculator.Speculator` once per engine step, after
+`Scheduler.update` (so every request holds only verified tokens and no drafts):
+
+  1. `propose(sched, wanted)`: `sched` is the step that just ran (what was computed, for
+     proposers that follow the target's KV or hidden states: they must look at every
+     scheduled request, including ones that just finished; each item's `prompt_token_ids`
+     and `output_token_ids` now include the tokens this step verified); `wanted` lists the
+     running requests that may get drafts now, each with at most how many. Returns one
+     `Draft` per entry of `wanted` (empty = no guess). It must not mutate the requests: the
+     speculator filters the drafts (grammar seam) and stores them on the request.
+  2. `release(request_ids)`: those requests finished (in the step just proposed for, or
+     earlier when aborted); drop their state. Called after `propose` in the same round.
+
+Requests are read-only views: `all_token_ids` (verified tokens only), `params`,
+`num_computed_tokens`. A proposer may keep per-request state keyed by `request_id`, and must
+cope with a request it has never seen or one whose tokens it saw drafted and then rejected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from kiln.config import (
+        CacheConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+    )
+    from kiln.engine.request import Request
+    from kiln.engine.scheduler import SchedulerOutput
+    from kiln.runner.model_runner import ModelRunner
+
+
+@dataclass
+class DraftRequest:
+    """A running request that may get drafts this step."""
+
+    request: Request
+    max_drafts: int  # >= 1: the adaptive k, capped by max_tokens and max_model_len
+
+
+@dataclass
+class Draft:
+    token_ids: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = None  # [len(token_ids), V] q per draft; None = one-hot drafts
+
+
+@dataclass
+class ProposerContext:
+    """What a proposer may use of the engine it serves."""
+
+    target: ModelRunner  # the target's runner: model, KV cache tensors, last hidden states
+    model_path: str
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+
+class Proposer(Protocol):
+    def propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]) -> list[Draft]: ...
+
+    def release(self, request_ids: list[str]) -> None: ...
+
+
+ProposerFactory = Callable[["SpeculativeConfig", ProposerContext], Proposer]
+_PROPOSERS: dict[str, ProposerFactory] = {}
+_BUILTIN = {"ngram": "kiln.spec.ngram", "draft": "kiln.spec.draft", "head": "kiln.spec.head"}
+
+
+def register_proposer(name: str) -> Callable[[ProposerFactory], ProposerFactory]:
+    """Decorator: make a proposer (a class or factory taking (config, context)) buildable by
+    `SpeculativeConfig.method`."""
+    def wrap(factory: ProposerFactory) -> ProposerFactory:
+        _PROPOSERS[name] = factory
+        return factory
+    return wrap
+
+
+def build_proposer(config: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
+    if config.method not in _PROPOSERS and config.method in _BUILTIN:
+        import importlib
+        importlib.import_module(_BUILTIN[config.method])
+    if config.method not in _PROPOSERS:
+        known = sorted(set(_PROPOSERS) | set(_BUILTIN))
+        raise ValueError(f"unknown speculative method {config.method!r}; known: "
+                         f"{', '.join(known)}")
+    return _PROPOSERS[config.method](config, ctx)

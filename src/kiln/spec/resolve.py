@@ -1,0 +1,61 @@
+"""From what a user names (`LLM(speculator=...)`, `kiln serve --speculator`) to a config.
+
+A speculator is named by:
+  - a proposer that needs no files: "ngram";
+  - a directory written by `kiln train-speculator` (its `speculator.json` says head or draft);
+  - any HF checkpoint directory sharing the target's tokenizer (a draft model);
+  - a preset name ("code-head", "prose-head", "code-draft"): a directory under
+    `$KILN_HOME/speculators/` built by `kiln train-speculator --preset NAME`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from kiln.config import SpeculativeConfig
+
+SPECULATOR_FILE = "speculator.json"
+FILE_FREE_METHODS = ("ngram",)
+
+
+def speculators_home() -> Path:
+    from kiln.models.default import kiln_home
+    return kiln_home() / "speculators"
+
+
+def resolve_speculative_config(speculator: str | None,
+                               config: SpeculativeConfig | None = None
+                               ) -> SpeculativeConfig | None:
+    """The config for `speculator` (a name or directory), with `config`'s other fields."""
+    if speculator is None:
+        return config
+    base = config or SpeculativeConfig()
+    if speculator in FILE_FREE_METHODS:
+        return dataclasses.replace(base, method=speculator, model=None)
+    path = _find(speculator)
+    return dataclasses.replace(base, method=speculator_kind(path), model=str(path))
+
+
+def speculator_kind(path: Path) -> str:
+    """head or draft, from the directory's speculator.json (an HF checkpoint is a draft)."""
+    meta = path / SPECULATOR_FILE
+    if meta.is_file():
+        return json.loads(meta.read_text())["kind"]
+    if (path / "config.json").is_file():
+        return "draft"
+    raise ValueError(f"{path} is neither a kiln speculator (no {SPECULATOR_FILE}) nor an HF "
+                     f"checkpoint (no config.json)")
+
+
+def _find(name: str) -> Path:
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    preset = speculators_home() / name
+    if preset.is_dir():
+        return preset
+    raise ValueError(f"speculator {name!r} is not a directory, a preset under "
+                     f"{speculators_home()} (build one with `kiln train-speculator --preset "
+                     f"{name}`), or one of {', '.join(FILE_FREE_METHODS)}")

@@ -1,0 +1,150 @@
+"""The engine's structured side: grammars for the requests that ask for one, the repetition
+guard for all, and a verdict on every sampled token.
+
+`EngineCore` owns one `StructuredEngine` and wires it in:
+  attach(request)               on arrival: start the grammar's compile, set up the guard
+  check_token(request, token)   `Scheduler.token_check`: each sampled token, before the
+                                scheduler appends it (advance the grammar, run the guard)
+  draft_filter(request, drafts) `Speculator.draft_filter`: leading drafts the grammar allows
+  validate(params)              compile now (the offline LLM checks before adding anything)
+  wait_for_compile(timeout_s)   the step had nothing to run but grammars compile: wait a bit
+The tokenizer (token texts for the guard, xgrammar's TokenizerInfo) loads while the engine
+loads the model (`Vocabulary.load_in_background`), so no step ever waits for it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from dataclasses import dataclass
+
+from kiln.config import StructuredConfig
+from kiln.engine.limits import RequestError
+from kiln.engine.request import Request, RequestStatus
+from kiln.sampling_params import SamplingParams
+from kiln.structured.compiler import GrammarCompiler
+from kiln.structured.constraint import TokenConstraint
+from kiln.structured.guard import GuardState, guard_settings
+from kiln.structured.spec import GrammarError, grammar_spec
+from kiln.structured.vocab import Vocabulary
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenCheck:
+    """The verdict on one sampled token."""
+
+    keep: bool = True  # False: drop it and sample the same position again (a redraw)
+    status: RequestStatus | None = None  # append it, then finish the request with this
+
+
+KEEP = TokenCheck()
+REDRAW = TokenCheck(keep=False)
+
+
+def no_check(request: Request, token: int) -> TokenCheck:
+    """The scheduler's token check without an engine (unit tests): keep every token."""
+    return KEEP
+
+
+class StructuredEngine:
+    def __init__(self, config: StructuredConfig, vocab: Vocabulary | None,
+                 eos_token_ids: frozenset[int]):
+        """`vocab`: the model's (`Vocabulary.load_in_background` while the model loads);
+        None without a tokenizer: no guard, and grammars fail saying so."""
+        self.config = config
+        self._vocab = vocab
+        self._stop_ids = sorted(eos_token_ids)
+        self.compiler = GrammarCompiler(self._tokenizer_info, config)
+        self.num_guard_stops = 0
+        self.num_redraws = 0
+
+    def vocab(self) -> Vocabulary | None:
+        return self._vocab
+
+    def _tokenizer_info(self):
+        if self._vocab is None:
+            raise GrammarError("this model has no tokenizer to build grammars with")
+        return self._vocab.tokenizer_info()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def attach(self, request: Request) -> None:
+        """Give a new request its grammar (compiling in the background) and its guard."""
+        params = request.params
+        if params.structured_outputs is not None:
+            spec = grammar_spec(params.structured_outputs)
+            request.grammar = TokenConstraint(self.compiler.submit(spec), self._stop_ids,
+                                              replay=request.output_token_ids,
+                                              utf8=lambda: self._vocab.utf8)
+        settings = guard_settings(params.repetition_guard, self.default_guard_mode(params))
+        if settings.mode != "off":
+            request.guard = GuardState(settings)
+
+    def default_guard_mode(self, params: SamplingParams) -> str:
+        """The engine's mode, except with ignore_eos: the client asked for exactly max_tokens
+        tokens (benchmarks, tests), so the guard is off unless the request names a mode."""
+        return "off" if params.ignore_eos else self.config.repetition_guard
+
+    def validate(self, params: SamplingParams) -> None:
+        """Compile the request's grammar now (RequestError naming why it cannot be used)."""
+        if params.structured_outputs is None:
+            return
+        try:
+            self.compiler.compile(grammar_spec(params.structured_outputs))
+        except GrammarError as exc:
+            raise RequestError(str(exc), param="structured_outputs", code=exc.code) from exc
+
+    def wait_for_compile(self, timeout_s: float) -> None:
+        pending = self.compiler.inflight()
+        if pending:
+            concurrent.futures.wait(pending, timeout_s, concurrent.futures.FIRST_COMPLETED)
+
+    # -- tokens ---------------------------------------------------------------------------------
+
+    def check_token(self, request: Request, token: int) -> TokenCheck:
+        """Judge `token`, sampled for `request` (not yet appended): run the guard, then
+        advance the grammar. Finishing statuses: repetition (guard), stop (the grammar
+        terminated), error (the grammar rejected the token; masks make that a bug)."""
+        constraint = request.grammar
+        if constraint is not None:
+            constraint.banned = []
+        status = None
+        if request.guard is not None and self._trips(request, token):
+            if request.guard.take_redraw():
+                self.num_redraws += 1
+                self._ban(request, token)
+                return REDRAW
+            self.num_guard_stops += 1
+            status = RequestStatus.FINISHED_REPETITION
+        if constraint is not None and constraint.matcher is not None:
+            if not constraint.accept(token):
+                request.stop_reason = f"the grammar rejected token {token}"
+                return TokenCheck(status=RequestStatus.FINISHED_ERROR)
+            if status is None and constraint.terminated:
+                status = RequestStatus.FINISHED_STOPPED
+        return TokenCheck(status=status) if status is not None else KEEP
+
+    def _trips(self, request: Request, token: int) -> bool:
+        vocab = self._vocab
+        if vocab is None or not 0 <= token < len(vocab.filler):
+            return False
+        if request.guard.check(request.output_token_ids, token, vocab.filler) is None:
+            return False
+        constraint = request.grammar
+        return constraint is None or not constraint.forces(vocab.text(token))
+
+    def _ban(self, request: Request, token: int) -> None:
+        if request.grammar is None:
+            request.grammar = TokenConstraint()
+        request.grammar.banned = [token]
+
+    def draft_filter(self, request: Request, drafts: list[int]) -> int:
+        """How many leading drafts the request's grammar (and a pending ban) allows."""
+        constraint = request.grammar
+        if constraint is None:
+            return len(drafts)
+        if not constraint.ready():
+            return 0
+        return constraint.valid_prefix(drafts)

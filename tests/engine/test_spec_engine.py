@@ -1,0 +1,257 @@
+"""Speculative decoding in the engine, on tiny models: lossless with every proposer.
+
+Greedy output is token-identical with speculation on and off, inside continuous batching,
+with prefix caching, chunked prefill, preemption, stop tokens and strings, max_tokens and
+n > 1; sampled output keeps the target's distribution (chi-square over many seeds).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kiln import LLM, SamplingParams
+from kiln.config import SpeculativeConfig
+from kiln.spec.proposer import Draft, register_proposer
+
+FORCED = SpeculativeConfig(adaptive=False)  # always k = 3: every path gets exercised
+
+
+def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def prompts(tok) -> list[dict]:
+    system = "The quick brown fox jumps over the lazy dog. " * 3
+    texts = [system + "Paris is", "def add(a, b):\n    return a + b\n\ndef add(",
+             system + "0123456789", "Large language models", "the and of to in is for"]
+    return [{"prompt_token_ids": tok.encode(t)} for t in texts]
+
+
+def ids(outputs) -> list[list[int]]:
+    return [c.token_ids for o in outputs for c in o.outputs]
+
+
+@pytest.fixture(scope="module")
+def draft_path(tiny_ckpt) -> str:
+    """An early-exit draft: the tiny llama's embedding and first layer, other final norm."""
+    return tiny_ckpt("llama", num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def head_path(llama_path, tmp_path_factory) -> str:
+    """An untrained head: random drafts, so rejection and rollback happen all the time."""
+    from kiln.models.loader import read_hf_config
+    from kiln.models.registry import resolve_architecture
+    from kiln.spec.eagle import EagleHead, HeadConfig, save_head
+
+    _, arch = resolve_architecture(read_hf_config(llama_path))
+    torch.manual_seed(0)
+    head = EagleHead(HeadConfig.for_target(arch, 256, (0, -1)))  # layer 0 + final features
+    out = tmp_path_factory.mktemp("head")
+    save_head(head, out, torch.float32)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_path):
+    llm = LLM(llama_path, dtype="float32", num_threads=1)
+    ps = prompts(llm.get_tokenizer())
+    params = [greedy(max_tokens=m) for m in (24, 7, 30, 1, 16)]
+    return llm, ps, params, ids(llm.generate(ps, params, use_tqdm=False))
+
+
+def speculator_for(name: str, llama_path, draft_path, head_path) -> str:
+    return {"ngram": "ngram", "draft": draft_path, "self": llama_path, "head": head_path}[name]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft", "self", "head"])
+def test_greedy_is_token_identical_with_each_proposer(proposer, reference, llama_path,
+                                                      draft_path, head_path):
+    _, ps, params, expected = reference
+    llm = LLM(llama_path, dtype="float32", num_threads=1, max_num_batched_tokens=48,
+              speculator=speculator_for(proposer, llama_path, draft_path, head_path),
+              speculative_config=FORCED)
+    first = llm.generate(ps, params, use_tqdm=False)
+    again = llm.generate(ps, params, use_tqdm=False)  # prefix-cache hits this time
+    assert ids(first) == expected and ids(again) == expected
+    assert all(len(c.token_ids) <= p.max_tokens for o, p in zip(first, params, strict=True)
+               for c in o.outputs)
+    stats = llm.engine.speculator.stats
+    assert stats.num_draft_tokens > 0
+    if proposer == "self":  # the target drafting for itself: every draft is accepted
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    assert llm.engine.kv.stats().used_blocks == 0 and llm.engine.kv.stats().hit_tokens > 0
+
+
+def test_adaptive_speculation_is_lossless_too(reference, llama_path, draft_path):
+    _, ps, params, expected = reference
+    llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=draft_path)
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+
+
+def test_drafts_never_run_past_max_tokens_or_stop_tokens(reference, llama_path):
+    llm, ps, _, _ = reference
+    spec = LLM(llama_path, dtype="float32", num_threads=1, speculator=llama_path,
+               speculative_config=FORCED)  # all drafts accepted: 4 tokens per step
+    for max_tokens in (1, 2, 5, 6):
+        out = spec.generate(ps[:2], greedy(max_tokens=max_tokens), use_tqdm=False)
+        assert [len(t) for t in ids(out)] == [max_tokens] * 2
+        assert all(o.outputs[0].finish_reason == "length" for o in out)
+    base = ids(llm.generate(ps[:1], greedy(max_tokens=20), use_tqdm=False))[0]
+    stop = base[5]
+    for engine in (llm, spec):
+        out = engine.generate(ps[:1], greedy(max_tokens=20, stop_token_ids=[stop]),
+                              use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == base[:base.index(stop) + 1] and out.finish_reason == "stop"
+        assert out.stop_reason == stop
+
+
+def test_stop_strings_n_greater_than_one_and_preemption(reference, llama_path, draft_path):
+    llm, ps, _, _ = reference
+    tok = llm.get_tokenizer()
+    text = llm.generate(ps[:1], greedy(max_tokens=20), use_tqdm=False)[0].outputs[0].text
+    stop = text[8:11]
+    params = greedy(max_tokens=20, stop=[stop], n=2)
+    want = llm.generate(ps[:1], params, use_tqdm=False)[0]
+    spec = LLM(llama_path, dtype="float32", num_threads=1, speculator=draft_path,
+               speculative_config=FORCED,
+               kv_cache_memory=6 * llm.engine.runner.kv_spec.bytes_per_block)
+    got = spec.generate(ps[:1] * 2, params, use_tqdm=False)
+    for out in got:
+        assert [c.text for c in out.outputs] == [c.text for c in want.outputs]
+        assert all(c.finish_reason == "stop" and stop not in c.text for c in out.outputs)
+    long = greedy(max_tokens=40)
+    assert ids(spec.generate(ps, long, use_tqdm=False)) == ids(
+        llm.generate(ps, long, use_tqdm=False))
+    assert spec.engine.scheduler.num_preemptions > 0
+    assert tok is not None
+
+
+def test_head_drafts_read_the_same_kv_after_prefix_cache_hits(llama_path, head_path):
+    """The head's KV lives in the target's blocks: a cache hit must hand over head KV that
+    gives exactly the drafts a full computation gives."""
+    seen: dict[str, list[list[int]]] = {}
+
+    def run(caching: bool) -> list[list[list[int]]]:
+        llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
+                  speculative_config=FORCED, enable_prefix_caching=caching)
+        proposer = llm.engine.speculator.proposer
+        original = proposer.propose
+
+        def recording(sched, wanted):
+            drafts = original(sched, wanted)
+            for w, d in zip(wanted, drafts, strict=True):
+                seen.setdefault(w.request.request_id, []).append(d.token_ids)
+            return drafts
+
+        proposer.propose = recording
+        ps = prompts(llm.get_tokenizer())[:1]
+        llm.generate(ps, greedy(max_tokens=12), use_tqdm=False)
+        seen.clear()
+        out = llm.generate(ps, greedy(max_tokens=12), use_tqdm=False)
+        assert (out[0].num_cached_tokens > 0) == caching
+        return list(seen.values())
+
+    assert run(True) == run(False)
+
+
+def test_draft_model_cache_stays_exact_across_rollbacks(reference, llama_path, draft_path):
+    """Every proposal equals the draft model's own greedy continuation of the verified
+    tokens, computed from scratch: the draft's paged KV (kept across partial acceptances,
+    trims and prefix-cache hits) never holds a rejected token."""
+    _, ps, params, _ = reference
+    spec = LLM(llama_path, dtype="float32", num_threads=1, speculator=draft_path,
+               speculative_config=FORCED)
+    proposer = spec.engine.speculator.proposer
+    proposals, original = [], proposer.propose
+
+    def recording(sched, wanted):
+        drafts = original(sched, wanted)
+        proposals.extend((list(w.request.all_token_ids), d.token_ids)
+                         for w, d in zip(wanted, drafts, strict=True))
+        return drafts
+
+    proposer.propose = recording
+    spec.generate(ps[:3], params[:3], use_tqdm=False)
+    spec.generate(ps[:3], params[:3], use_tqdm=False)  # shadows re-admitted via cache hits
+    assert proposer.kv.stats().hit_tokens > 0
+    draft = LLM(draft_path, dtype="float32", num_threads=1, enable_prefix_caching=False)
+    fresh = draft.generate([{"prompt_token_ids": t} for t, _ in proposals],
+                           [greedy(max_tokens=len(d)) for _, d in proposals], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in fresh] == [d for _, d in proposals]
+    stats = spec.engine.speculator.stats
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # rollbacks happened
+
+
+# -- sampling keeps the target distribution -------------------------------------------------
+
+
+@register_proposer("test-sampled")
+class SampledDraftProposer:
+    """Drafts drawn from a fixed, deliberately wrong distribution q (and reports q)."""
+
+    def __init__(self, config, ctx):
+        self.vocab = ctx.target.vocab_size
+        self.gen = torch.Generator().manual_seed(1)
+
+    def propose(self, sched, wanted):
+        out = []
+        for w in wanted:
+            q = torch.full((w.max_drafts, self.vocab), 0.2 / self.vocab)
+            q[:, :8] += 0.8 / 8  # mass on tokens 0..7
+            tokens = torch.multinomial(q, 1, generator=self.gen).view(-1).tolist()
+            out.append(Draft(tokens, q))
+        return out
+
+    def release(self, request_ids):
+        pass
+
+
+CHI2_999 = {3: 16.27, 8: 26.12, 15: 37.70, 24: 51.18}
+
+
+def exact_pairs(llm, prompt: list[int], top_k: int, temperature: float) -> dict:
+    """P(t1, t2) under top-k sampling, from the target's own logprobs."""
+    def dist(ids):
+        out = llm.generate({"prompt_token_ids": ids},
+                           SamplingParams(temperature=0, max_tokens=1, logprobs=top_k),
+                           use_tqdm=False)[0].outputs[0].logprobs[0]
+        top = sorted(out.items(), key=lambda kv: -kv[1].logprob)[:top_k]
+        z = sum(math.exp(lp.logprob / temperature) for _, lp in top)
+        return {t: math.exp(lp.logprob / temperature) / z for t, lp in top}
+
+    return {(a, b): pa * pb for a, pa in dist(prompt).items()
+            for b, pb in dist(prompt + [a]).items()}
+
+
+@pytest.mark.parametrize("proposer", ["draft", "test-sampled"])
+def test_sampled_outputs_keep_the_target_distribution(proposer, reference, llama_path,
+                                                      draft_path):
+    llm, ps, _, _ = reference
+    prompt = ps[3]["prompt_token_ids"]
+    top_k, temperature, n = 3, 1.5, 1200
+    exact = exact_pairs(llm, prompt, top_k, temperature)
+    config = (SpeculativeConfig(method="test-sampled", adaptive=False) if proposer != "draft"
+              else FORCED)
+    spec = LLM(llama_path, dtype="float32", num_threads=1, max_num_seqs=256,
+               speculator=draft_path if proposer == "draft" else None,
+               speculative_config=config)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=4, seed=i,
+                             ignore_eos=True) for i in range(n)]
+    outs = spec.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    counts = {pair: 0 for pair in exact}
+    for o in outs:
+        counts[tuple(o.outputs[0].token_ids[:2])] += 1
+    stat = sum((counts[p] - n * q) ** 2 / (n * q) for p, q in exact.items())
+    assert stat < CHI2_999[len(exact) - 1], (counts, exact)
+    stats = spec.engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both paths taken
+
+
+def test_unknown_proposer_is_named(llama_path):
+    with pytest.raises(ValueError, match="unknown speculative method 'nope'; known: .*ngram"):
+        LLM(llama_path, dtype="float32", num_threads=1,
+            speculative_config=SpeculativeConfig(method="nope"))

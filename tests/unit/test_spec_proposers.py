@@ -1,0 +1,104 @@
+"""N-gram lookup, adaptive draft length, and speculator naming: pure CPU logic."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kiln.config import SpeculativeConfig
+from kiln.spec.adaptive import AdaptiveK, batch_bucket
+from kiln.spec.ngram import propose_ngram
+from kiln.spec.resolve import resolve_speculative_config
+
+
+def ngram(tokens, k=3, n_min=1, n_max=4):
+    return propose_ngram(np.asarray(tokens), k, n_min, n_max)
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    #        0  1  2  3  4  5  6  7  8  9
+    seq = [1, 2, 3, 4, 9, 1, 2, 3, 5, 1, 2, 3]
+    # suffix [1, 2, 3] last occurred at 5..7 (followed by 5, 1, 2), before that at 0..2
+    assert ngram(seq) == [5, 1, 2]
+    assert ngram(seq, k=1) == [5]
+    assert ngram(seq, k=5) == [4, 9, 1, 2, 3]  # only the earlier one is followed by 5
+    # a longer suffix wins over a more recent shorter one
+    assert ngram([7, 8, 9, 4, 1, 9, 0, 7, 8, 9], n_max=3) == [4, 1, 9]
+
+
+def test_ngram_without_a_match_proposes_nothing():
+    assert ngram([1, 2, 3, 4]) == []
+    assert ngram([5]) == []
+    assert ngram([1, 2, 1], n_min=2) == []
+
+
+def test_ngram_continuation_may_run_into_the_suffix_itself():
+    assert ngram([3, 3, 3, 3]) == [3]  # suffix [3,3,3] seen at 0, only one token follows
+    assert ngram([3, 3, 3, 3], n_max=1) == [3, 3, 3]  # the earliest [3] has 3 followers
+
+
+def test_batch_buckets():
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 3, 4, 8, 8, 16,
+                                                                         16, 32]
+
+
+def drive(adaptive: AdaptiveK, batch: int, step_cost, accept_len, steps: int) -> list[int]:
+    """Run the controller against a synthetic machine; returns the chosen k per step."""
+    chosen = []
+    for _ in range(steps):
+        k = adaptive.choose(batch)
+        chosen.append(k)
+        for _ in range(batch):
+            adaptive.observe_acceptance(k, min(k, accept_len))
+        adaptive.observe_cost(batch, k, step_cost(batch, k))
+    return chosen
+
+
+def test_adaptive_drafts_fully_when_verification_is_nearly_free():
+    adaptive = AdaptiveK(max_k=3)
+    chosen = drive(adaptive, 1, lambda b, k: 1.0 + 0.05 * k, accept_len=3, steps=200)
+    assert chosen[-100:].count(3) >= 90
+
+
+def test_adaptive_switches_off_when_drafts_cost_more_than_they_bring():
+    adaptive = AdaptiveK(max_k=3)
+    # compute-bound large batch: every extra query token costs its full share
+    chosen = drive(adaptive, 32, lambda b, k: b * (1 + k), accept_len=1, steps=300)
+    assert chosen[-200:].count(0) >= 180
+    # the probes bound the cost: under 5% over always-off
+    cost = sum(1 + k for k in chosen[-200:]) / 200
+    assert cost < 1.05
+
+
+def test_adaptive_follows_acceptance_down():
+    adaptive = AdaptiveK(max_k=3)
+    cost = lambda b, k: 1.0 + 0.3 * k  # noqa: E731
+    drive(adaptive, 1, cost, accept_len=3, steps=100)
+    chosen = drive(adaptive, 1, cost, accept_len=0, steps=1500)
+    assert chosen[-100:].count(0) >= 90
+
+
+def test_adaptive_off_always_asks_for_k_and_caps_batch():
+    assert AdaptiveK(max_k=3, enabled=False).choose(64) == 3
+    capped = AdaptiveK(max_k=3, max_batch_size=4)
+    assert capped.choose(5) == 0 and capped.choose(4) == 3
+
+
+def test_speculator_names_resolve(tmp_path):
+    assert resolve_speculative_config(None) is None
+    assert resolve_speculative_config("ngram").method == "ngram"
+    head = tmp_path / "h"
+    head.mkdir()
+    (head / "speculator.json").write_text(json.dumps({"kind": "head"}))
+    cfg = resolve_speculative_config(str(head), SpeculativeConfig(num_speculative_tokens=5))
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("head", str(head), 5)
+    draft = tmp_path / "d"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    assert resolve_speculative_config(str(draft)).method == "draft"
+    with pytest.raises(ValueError, match="train-speculator --preset"):
+        resolve_speculative_config("no-such-preset")
+    with pytest.raises(ValueError, match="needs a model"):
+        SpeculativeConfig(method="head")
