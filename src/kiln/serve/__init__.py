@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP gateway (`kiln serve`); see docs/serving.md."""

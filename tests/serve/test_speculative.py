@@ -1,0 +1,26 @@
+"""`kiln serve --speculator`: drafts verified per response (usage extension) and in /metrics."""
+
+from __future__ import annotations
+
+from tests.serve.conftest import start_server
+
+
+def test_served_speculation_reports_usage_and_metrics(llama_path, tmp_path):
+    server = start_server(llama_path, tmp_path, "--speculator", "ngram",
+                          "--served-model-name", "tiny", step_delay_s=0.0)
+    try:
+        with server.http() as http:
+            body = http.post("/v1/completions", json={
+                "model": "tiny", "prompt": "The quick brown fox", "max_tokens": 48,
+                "temperature": 0, "ignore_eos": True}).json()
+        spec = body["usage"]["speculative"]  # the tiny model repeats itself: lookups hit
+        assert spec["draft_tokens"] > 0 and spec["verify_steps"] > 0
+        assert 0 < spec["accepted_tokens"] <= spec["draft_tokens"]
+        assert spec["mean_accepted_length"] == spec["accepted_tokens"] / spec["verify_steps"]
+        assert body["usage"]["completion_tokens"] == 48
+        metrics = server.metrics()
+        assert metrics["kiln:spec_decode_num_draft_tokens_total"] == spec["draft_tokens"]
+        assert metrics["kiln:spec_decode_num_accepted_tokens_total"] == spec["accepted_tokens"]
+        assert metrics["kiln:spec_decode_num_verify_steps_total"] == spec["verify_steps"]
+    finally:
+        server.stop()
