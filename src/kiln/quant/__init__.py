@@ -13,10 +13,16 @@ from kiln.quant.formats import (
     get_format,
     register_format,
 )
-from kiln.quant.linear import DYNAMIC_SUFFIX, Int8LinearMethod, QuantLinearMethod
+from kiln.quant.linear import (
+    DYNAMIC_SUFFIX,
+    Int4LinearMethod,
+    Int8LinearMethod,
+    QuantLinearMethod,
+)
 
 __all__ = [
     "DYNAMIC_SUFFIX",
+    "Int4LinearMethod",
     "Int8LinearMethod",
     "QuantLinearMethod",
     "StoredTensor",

@@ -19,6 +19,12 @@ Formats here (integer and fp8 grids; the FP4 microscaling formats are in microsc
 style: fp16 d and m, w = d * n + m) rather than compressed-tensors' integer zero point, so
 int4-g32-asym can hold Q4_1 blocks as they are (GGUF orders the nibbles of a block
 differently); hence its own tensor name, `weight_min`. "int4" alone means int4-g128-sym.
+
+Quantizing is two steps, so calibrated rounding (kiln.quant.gptq) can fix a group's grid and
+then round its columns one at a time: `params(w)` chooses the grid of each group (scales,
+minimums, global scale: every stored tensor but the codes), `codes(w, params)` rounds onto it.
+`snap(w, params)` is the rounded value itself (no packing, so any number of columns), and
+`quantize(w, params)` the stored tensors. Params come from each group's min and max only.
 """
 
 from __future__ import annotations
@@ -53,19 +59,44 @@ class WeightFormat(ABC):
 
     name: str
     group_size: int = 1         # inputs per scale (the last group of a row may be shorter)
+    per_channel: bool = False   # one scale per output row (group_size is then unused)
     packs_nibbles: bool = False  # two 4-bit codes per byte: in_features must be even
+    code_name: str = "weight_packed"  # the stored tensor holding the codes
 
     @abstractmethod
     def storage(self, out_features: int, in_features: int) -> list[StoredTensor]:
         """The tensors `quantize` returns for a [out, in] weight, in a fixed order."""
 
     @abstractmethod
-    def quantize(self, w: torch.Tensor) -> Packed:
-        """Float W [out, in] -> stored tensors (see `storage`)."""
+    def params(self, w: torch.Tensor) -> Packed:
+        """Float W [out, cols] -> the grid of each of its groups: every stored tensor but the
+        codes (per-group tensors [out, groups], per-channel [out, 1], per-tensor [1])."""
 
     @abstractmethod
+    def codes(self, w: torch.Tensor, params: Packed) -> torch.Tensor:
+        """W [out, cols] rounded onto `params`' grid -> codes [out, cols], unpacked
+        (nibbles as uint8 0..15), in the groups `params` describe."""
+
+    @abstractmethod
+    def decode(self, codes: torch.Tensor, params: Packed) -> torch.Tensor:
+        """Codes [out, cols] and their grid -> float32 W [out, cols]. Per-tensor scalars may
+        also come per row, [out]."""
+
+    def quantize(self, w: torch.Tensor, params: Packed | None = None) -> Packed:
+        """Float W [out, in] -> stored tensors (see `storage`), on `params` or W's own grid."""
+        params = self.params(w) if params is None else params
+        codes = self.codes(w.float(), params)
+        return {self.code_name: pack_nibbles(codes) if self.packs_nibbles else codes, **params}
+
     def dequantize(self, packed: Packed) -> torch.Tensor:
-        """Stored tensors -> float32 W [out, in]. Per-tensor scalars may also come per row, [out]."""
+        """Stored tensors -> float32 W [out, in]."""
+        codes = packed[self.code_name]
+        codes = unpack_nibbles(codes) if self.packs_nibbles else codes
+        return self.decode(codes, {k: v for k, v in packed.items() if k != self.code_name})
+
+    def snap(self, w: torch.Tensor, params: Packed) -> torch.Tensor:
+        """W [out, cols] rounded onto `params`' grid, as float32 values (any cols)."""
+        return self.decode(self.codes(w.float(), params), params)
 
     def supports(self, in_features: int) -> bool:
         """Whether a layer with this many inputs can be stored."""
@@ -113,8 +144,11 @@ def grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """[out, in] -> [out, ceil(in / g), g]: the groups that share one scale.
 
     A short last group is padded by repeating its last value, which changes no group's min,
-    max or absolute max; `ungrouped` drops the padding again.
+    max or absolute max; `ungrouped` drops the padding again. A row of at most g values is one
+    group as it is ([out, 1, in], no padding: GPTQ rounds single columns this way).
     """
+    if w.shape[1] <= group_size:
+        return w.unsqueeze(1)
     pad = -w.shape[1] % group_size
     if pad:
         w = torch.cat([w, w[:, -1:].expand(-1, pad)], dim=1)
@@ -130,37 +164,43 @@ class Int8Format(WeightFormat):
     """Symmetric int8, one fp32 scale per output channel: s = max|w_row| / 127."""
 
     name = "int8"
+    per_channel = True
+    code_name = "weight"
 
     def storage(self, out_features, in_features):
         return [StoredTensor("weight", torch.int8, in_features),
                 StoredTensor("weight_scale", torch.float32, 1)]
 
-    def quantize(self, w):
-        w = w.float()
-        scale = w.abs().amax(dim=1, keepdim=True) / 127  # [o, 1]
-        q = torch.round(w / safe_divisor(scale)).clamp(-127, 127)
-        return {"weight": q.to(torch.int8), "weight_scale": scale}
+    def params(self, w):
+        return {"weight_scale": w.float().abs().amax(dim=1, keepdim=True) / 127}  # [o, 1]
 
-    def dequantize(self, packed):
-        return packed["weight"].float() * packed["weight_scale"].float()
+    def codes(self, w, params):
+        q = torch.round(w / safe_divisor(params["weight_scale"]))
+        return q.clamp(-127, 127).to(torch.int8)
+
+    def decode(self, codes, params):
+        return codes.float() * params["weight_scale"].float()
 
 
 class Fp8Format(WeightFormat):
     """FP8 E4M3, one fp32 scale per output channel: s = max|w_row| / 448."""
 
     name = "fp8"
+    per_channel = True
+    code_name = "weight"
 
     def storage(self, out_features, in_features):
         return [StoredTensor("weight", torch.float8_e4m3fn, in_features),
                 StoredTensor("weight_scale", torch.float32, 1)]
 
-    def quantize(self, w):
-        w = w.float()
-        scale = w.abs().amax(dim=1, keepdim=True) / FP8_E4M3_MAX  # [o, 1]
-        return {"weight": to_fp8_e4m3(w / safe_divisor(scale)), "weight_scale": scale}
+    def params(self, w):
+        return {"weight_scale": w.float().abs().amax(dim=1, keepdim=True) / FP8_E4M3_MAX}
 
-    def dequantize(self, packed):
-        return fp8_e4m3_decode(packed["weight"]) * packed["weight_scale"].float()
+    def codes(self, w, params):
+        return to_fp8_e4m3(w / safe_divisor(params["weight_scale"]))
+
+    def decode(self, codes, params):
+        return fp8_e4m3_decode(codes) * params["weight_scale"].float()
 
 
 class Int4Format(WeightFormat):
@@ -181,28 +221,31 @@ class Int4Format(WeightFormat):
             tensors.append(StoredTensor("weight_min", torch.float16, groups))
         return tensors
 
-    def quantize(self, w):
+    def params(self, w):
         g = grouped(w.float(), self.group_size)  # [o, ceil(i/G), G]
         if self.symmetric:
-            scale = (g.abs().amax(dim=2, keepdim=True) / 7).half()  # [o, ceil(i/G), 1]
-            nib = torch.round(g / safe_divisor(scale.float())).clamp(-8, 7) + 8
-            extra = {}
-        else:
-            lo, hi = g.amin(dim=2, keepdim=True), g.amax(dim=2, keepdim=True)
-            scale, low = ((hi - lo) / 15).half(), lo.half()  # [o, ceil(i/G), 1] each
-            nib = torch.round((g - low.float()) / safe_divisor(scale.float())).clamp(0, 15)
-            extra = {"weight_min": low.squeeze(2)}
-        packed = pack_nibbles(ungrouped(nib.to(torch.uint8), w.shape[1]))  # [o, i/2]
-        return {"weight_packed": packed, "weight_scale": scale.squeeze(2), **extra}
+            return {"weight_scale": (g.abs().amax(dim=2) / 7).half()}  # [o, ceil(i/G)]
+        lo, hi = g.amin(dim=2), g.amax(dim=2)
+        return {"weight_scale": ((hi - lo) / 15).half(), "weight_min": lo.half()}
 
-    def dequantize(self, packed):
-        nib = unpack_nibbles(packed["weight_packed"]).float()  # [o, i]
-        scale = packed["weight_scale"].float().unsqueeze(2)     # [o, ceil(i/G), 1]
+    def codes(self, w, params):
+        g = grouped(w, self.group_size)  # [o, ceil(i/G), G]
+        scale = safe_divisor(params["weight_scale"].float().unsqueeze(2))
         if self.symmetric:
-            w = (grouped(nib, self.group_size) - 8) * scale
+            nib = torch.round(g / scale).clamp(-8, 7) + 8
         else:
-            w = grouped(nib, self.group_size) * scale + packed["weight_min"].float().unsqueeze(2)
-        return ungrouped(w, nib.shape[1])  # [o, i]
+            nib = torch.round((g - params["weight_min"].float().unsqueeze(2)) / scale)
+            nib = nib.clamp(0, 15)
+        return ungrouped(nib.to(torch.uint8), w.shape[1])  # [o, i]
+
+    def decode(self, codes, params):
+        nib = grouped(codes.float(), self.group_size)  # [o, ceil(i/G), G]
+        scale = params["weight_scale"].float().unsqueeze(2)
+        if self.symmetric:
+            w = (nib - 8) * scale
+        else:
+            w = nib * scale + params["weight_min"].float().unsqueeze(2)
+        return ungrouped(w, codes.shape[1])  # [o, i]
 
 
 register_format(Int8Format())

@@ -31,3 +31,116 @@ def int8_int8_mm(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     if not hasattr(torch, "_int_mm") or xq.device.type != "cpu":
         return None
     return torch._int_mm(xq.contiguous(), weight.t())
+
+
+# -- int4 weight-only: torch's CPU kernel -----------------------------------------------------
+#
+# `_weight_int4pack_mm_for_cpu(x, packed, g, scales_and_zeros)` computes x @ W^T with
+# W[n, k] = (q[n, k] - 8) * scale[k // g, n] + zero[k // g, n], reading `packed` in a blocked
+# layout made by `_convert_weight_to_int4pack_for_cpu` and scales/zeros in x's dtype. Both
+# kiln int4 variants map onto it exactly: symmetric (q - 8) * s has zero 0; asymmetric
+# q * s + min has zero = min + 8 * s. Measured on 3072x576 and 576x1536 (two threads, bf16,
+# torch 2.13): ~1.5x faster than oneDNN's dense bf16 matmul at one token, but its cost grows
+# ~linearly with tokens (~10 us per token for 3072x576), so past a few dozen tokens
+# dequantizing once and running the dense matmul is faster. Its fp32 path is ~300x slower.
+INT4_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+INT4_KERNEL_MAX_TOKENS = 48
+_INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes the kernel takes, largest first
+_INT4_PROBE_SHAPE = (80, 64)  # one full 64-row block plus a partial one: checks both layouts
+
+
+def int4_kernel_group(group_size: int, in_features: int, out_features: int) -> int | None:
+    """The kernel group size that expresses a kiln int4 layer exactly, or None.
+
+    A kiln group of G inputs (the last one may be shorter) is G / g kernel groups sharing one
+    scale, so g must divide G and in_features; the kernel also wants out_features % 16 == 0.
+    """
+    if out_features % 16:
+        return None
+    return next((g for g in _INT4_KERNEL_GROUPS
+                 if group_size % g == 0 and in_features % g == 0), None)
+
+
+def int4_kernel_unavailable(dtype: torch.dtype) -> str | None:
+    """Why the int4 CPU kernel cannot serve activations of `dtype`, or None when it can."""
+    if dtype not in INT4_KERNEL_DTYPES:
+        return f"activations are {dtype}; the kernel is fast only for bf16/fp16"
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return f"torch {torch.__version__} has no _weight_int4pack_mm_for_cpu"
+    if _int4_block_rows() is None:
+        return "the kernel's packed layout is not one kiln can read back"
+    return None
+
+
+def int4_kernel_pack(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] in 0..15 -> the kernel's packed weight (uint8 [N, K / 2])."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+
+
+def int4_kernel_unpack(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The inverse of `int4_kernel_pack`: kernel layout [N, K / 2] -> uint8 codes [N, K].
+
+    The layout (torch 2.x CPU): rows in blocks of B (64 on AVX-512, 32 otherwise); within a
+    full block, byte (k, j) holds row j (low nibble) and row j + B/2 (high); a last partial
+    block interleaves row pairs, byte (k, j) = rows 2j (low), 2j + 1 (high). `_int4_block_rows`
+    checks this against the running torch once.
+    """
+    return _unpack_blocked(packed, in_features, _int4_block_rows())
+
+
+def int4_weight_only_mm(x: torch.Tensor, packed: torch.Tensor, group: int,
+                        scales_and_zeros: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] @ W^T -> [M, N] with the kernel, or None where the reference path is faster."""
+    if x.shape[0] > INT4_KERNEL_MAX_TOKENS or x.dtype != scales_and_zeros.dtype:
+        return None
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, group,
+                                                      scales_and_zeros)
+
+
+def int4_scales_and_zeros(scale: torch.Tensor, minimum: torch.Tensor | None, group_size: int,
+                          kernel_group: int, in_features: int,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """kiln scale (and min) [N, ceil(K / G)] -> the kernel's [K / g, N, 2] in `dtype`.
+
+    Symmetric: zero = 0. Asymmetric: q * s + min = (q - 8) * s + (min + 8 s). Rounding to the
+    activation dtype (bf16 keeps 8 mantissa bits to fp16's 11) moves weights by at most
+    ~0.4% of a group's range: the kernel path matches the reference within that.
+    """
+    scale = scale.float()
+    zero = torch.zeros_like(scale) if minimum is None else minimum.float() + 8 * scale
+    per_kernel_group = torch.arange(in_features // kernel_group) * kernel_group // group_size
+    pairs = torch.stack([scale[:, per_kernel_group], zero[:, per_kernel_group]], dim=-1)
+    return pairs.transpose(0, 1).contiguous().to(dtype)  # [K / g, N, 2]
+
+
+def _unpack_blocked(packed: torch.Tensor, in_features: int, block: int) -> torch.Tensor:
+    rows, flat, parts = packed.shape[0], packed.reshape(-1), []
+    for start in range(0, rows, block):
+        n = min(block, rows - start)
+        tile = flat[start * in_features // 2:(start + n) * in_features // 2]
+        tile = tile.reshape(in_features, n // 2)  # [K, n / 2]
+        low, high = (tile & 0x0F).t(), (tile >> 4).t()  # [n / 2, K] each
+        if n == block:
+            parts.append(torch.cat([low, high]))  # rows j and j + n/2
+        else:
+            parts.append(torch.stack([low, high], dim=1).reshape(n, in_features))  # 2j, 2j+1
+    return torch.cat(parts)
+
+
+_BLOCK_ROWS: list[int | None] = []  # memo of `_int4_block_rows` (a one-element list once run)
+
+
+def _int4_block_rows() -> int | None:
+    """The kernel layout's row block, found by packing a probe and reading it back."""
+    if not _BLOCK_ROWS:
+        codes = torch.randint(0, 16, _INT4_PROBE_SHAPE, generator=torch.Generator().manual_seed(0),
+                              dtype=torch.uint8)
+        try:
+            packed = int4_kernel_pack(codes)
+        except (RuntimeError, AttributeError):
+            packed = None
+        found = None if packed is None else next(
+            (b for b in (64, 32) if torch.equal(_unpack_blocked(packed, codes.shape[1], b),
+                                                codes)), None)
+        _BLOCK_ROWS.append(found)
+    return _BLOCK_ROWS[0]

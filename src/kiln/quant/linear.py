@@ -21,11 +21,14 @@ to one per output row at `finalize`, so fused q/k/v with different global scales
 Compute: the reference path dequantizes the weight in row tiles of at most `tile_elements`
 values and multiplies in the activation dtype. Nothing dequantized is cached between calls:
 a cache would give the memory saving back, so each call pays the dequantization (which
-dominates at batch 1). int8 uses torch's int8 kernels where kiln.quant.kernels has one.
+dominates at batch 1). int8 uses torch's int8 kernels where kiln.quant.kernels has one; int4
+(both variants) is repacked at `finalize` into the layout of torch's CPU int4 kernel, which
+serves bf16/fp16 activations at small token counts (see Int4LinearMethod).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from functools import partial
 
@@ -34,8 +37,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.models.layers.linear import Linear, register_linear_method, shard_rows
-from kiln.quant.formats import StoredTensor, WeightFormat, available_formats, get_format
-from kiln.quant.kernels import int8_int8_mm, int8_weight_only_mm
+from kiln.quant.formats import (
+    Int4Format,
+    StoredTensor,
+    WeightFormat,
+    available_formats,
+    get_format,
+)
+from kiln.quant.kernels import (
+    int4_kernel_group,
+    int4_kernel_pack,
+    int4_kernel_unavailable,
+    int4_kernel_unpack,
+    int4_scales_and_zeros,
+    int4_weight_only_mm,
+    int8_int8_mm,
+    int8_weight_only_mm,
+)
+from kiln.quant.packing import pack_nibbles, unpack_nibbles
+
+log = logging.getLogger(__name__)
 
 DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DYNAMIC_SUFFIX = "-dyn"
@@ -125,6 +146,10 @@ class QuantLinearMethod:
         """x2 [M, in] @ W^T -> [M, out]; the plain reference every speed path must match."""
         if self.act_quant:
             x2 = self.fmt.fake_quantize(x2)
+        return self.weight_matmul(layer, x2)
+
+    def weight_matmul(self, layer: Linear, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, in] @ W^T: subclasses override this with a kernel where one runs."""
         return self.dequantized_matmul(layer, x2)
 
     def dequantized_matmul(self, layer: Linear, x2: torch.Tensor) -> torch.Tensor:
@@ -140,8 +165,12 @@ class QuantLinearMethod:
     def dequantize_rows(self, layer: Linear, rows: slice) -> torch.Tensor:
         """Float32 W[rows] [len(rows), in], from the stored tensors (after `finalize`)."""
         packed = {t.name: (getattr(layer, f"{t.name}_per_row") if t.cols is None
-                           else getattr(layer, t.name))[rows] for t in layer.quant_storage}
+                           else self.stored(layer, t.name))[rows] for t in layer.quant_storage}
         return self.fmt.dequantize(packed)
+
+    def stored(self, layer: Linear, name: str) -> torch.Tensor:
+        """Stored tensor `name` as `storage()` defines it (subclasses may keep it repacked)."""
+        return getattr(layer, name)
 
     def dequantize_weight(self, layer: Linear) -> torch.Tensor:
         """Float32 W [out, in]: for reference matmuls, KL evaluation and tests."""
@@ -151,7 +180,7 @@ class QuantLinearMethod:
         """One shard's stored tensors as a checkpoint holds them (the inverse of load_shard)."""
         rows = shard_rows(layer.out_shards, shard)
         out = {t.name: getattr(layer, t.name)[shard:shard + 1] if t.cols is None
-               else getattr(layer, t.name)[rows] for t in layer.quant_storage}
+               else self.stored(layer, t.name)[rows] for t in layer.quant_storage}
         if layer.bias is not None:
             out["bias"] = layer.bias[rows]
         return {name: t.clone() for name, t in out.items()}
@@ -179,6 +208,66 @@ class Int8LinearMethod(QuantLinearMethod):
         return y.to(x2.dtype)
 
 
+class Int4LinearMethod(QuantLinearMethod):
+    """int4 (symmetric or asymmetric, any group size) on torch's CPU int4 kernel where it runs.
+
+    At `finalize`, for bf16/fp16 models, the nibbles move into the kernel's packed layout
+    (`int4_kernel_weight`, replacing `weight_packed`, so the weights are held once) with the
+    kernel's scales and zeros beside them (`int4_kernel_scales`, [in / g, out, 2] in the model
+    dtype; g is the largest kernel group dividing the kiln group and in_features). kiln's own
+    fp16 scales (and mins) stay, so `weight_packed` can be read back exactly (`stored`) for
+    export, `dequantize_weight` and the reference path, which still serves token counts past
+    INT4_KERNEL_MAX_TOKENS. Where the kernel cannot run (fp32 models, older torch, shapes it
+    does not take) the layer keeps the plain layout and the reference path, and says so once
+    in the log.
+    """
+
+    def create_weights(self, layer, in_features, out_shards, bias, dtype):
+        super().create_weights(layer, in_features, out_shards, bias, dtype)
+        layer.int4_kernel_dtype = dtype
+
+    def finalize(self, layer: Linear) -> None:
+        super().finalize(layer)
+        group = int4_kernel_group(self.fmt.group_size, layer.in_features, layer.out_features)
+        why = int4_kernel_unavailable(layer.int4_kernel_dtype) or (
+            None if group else f"a {layer.out_features}x{layer.in_features} layer with "
+                               f"{self.fmt.group_size}-value groups does not fit its groups")
+        if why:
+            _log_once(f"int4 layers use the reference dequantize path: {why}")
+            return
+        symmetric = self.fmt.symmetric
+        scales = int4_scales_and_zeros(layer.weight_scale, None if symmetric else layer.weight_min,
+                                       self.fmt.group_size, group, layer.in_features,
+                                       layer.int4_kernel_dtype)
+        layer.register_buffer("int4_kernel_weight",
+                              int4_kernel_pack(unpack_nibbles(layer.weight_packed)))
+        layer.register_buffer("int4_kernel_scales", scales)
+        layer.int4_kernel_group = group
+        delattr(layer, "weight_packed")
+
+    def weight_matmul(self, layer, x2):
+        if hasattr(layer, "int4_kernel_weight"):
+            y = int4_weight_only_mm(x2, layer.int4_kernel_weight, layer.int4_kernel_group,
+                                    layer.int4_kernel_scales)
+            if y is not None:
+                return y
+        return self.dequantized_matmul(layer, x2)
+
+    def stored(self, layer, name):
+        if name == "weight_packed" and hasattr(layer, "int4_kernel_weight"):
+            return pack_nibbles(int4_kernel_unpack(layer.int4_kernel_weight, layer.in_features))
+        return super().stored(layer, name)
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        log.info(message)
+
+
 def _find(storage: list[StoredTensor], name: str) -> StoredTensor | None:
     return next((t for t in storage if t.name == name), None)
 
@@ -196,6 +285,8 @@ def _check_dtype(name: str, got: torch.dtype, stored: torch.dtype) -> None:
 
 
 def method_class(fmt: WeightFormat) -> type[QuantLinearMethod]:
+    if isinstance(fmt, Int4Format):
+        return Int4LinearMethod
     return Int8LinearMethod if fmt.name == "int8" else QuantLinearMethod
 
 

@@ -26,22 +26,20 @@ from kiln.quant.packing import (
     e8m0_decode,
     e8m0_encode_floor,
     fp8_e4m3_decode,
-    pack_nibbles,
     safe_divisor,
     to_fp8_e4m3,
-    unpack_nibbles,
 )
 
 
-def pack_e2m1(blocks: torch.Tensor, scale: torch.Tensor, in_features: int) -> torch.Tensor:
-    """Values [o, B, b] / scale [o, B, 1] -> packed E2M1 codes uint8 [o, in/2]."""
-    codes = e2m1_encode(blocks / scale)  # saturates at +-6
-    return pack_nibbles(ungrouped(codes, in_features))
+def e2m1_codes(w: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """Values [o, cols] / scale [o, B, 1] (B = ceil(cols/block)) -> E2M1 codes uint8 [o, cols]."""
+    codes = e2m1_encode(grouped(w, block) / scale)  # saturates at +-6
+    return ungrouped(codes, w.shape[1])
 
 
-def scale_e2m1(packed: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
-    """Packed codes uint8 [o, in/2] times scale [o, B, 1] (B = ceil(in/block)) -> float32 [o, in]."""
-    values = e2m1_decode(unpack_nibbles(packed))  # [o, in]
+def scale_e2m1(codes: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """E2M1 codes uint8 [o, cols] times scale [o, B, 1] -> float32 [o, cols]."""
+    values = e2m1_decode(codes)  # [o, cols]
     return ungrouped(grouped(values, block) * scale, values.shape[1])
 
 
@@ -63,28 +61,32 @@ class NvFp4Format(WeightFormat):
         amax = amax.float()
         return torch.where(amax > 0, FP8_E4M3_MAX * E2M1_MAX / safe_divisor(amax), 1.0)
 
-    def quantize(self, w, global_scale: torch.Tensor | None = None):
-        """W [o, i] -> packed; `global_scale` ([1], or [o] / [o, 1] per row) defaults to one
-        scalar for all of W."""
+    def params(self, w, global_scale: torch.Tensor | None = None):
+        """W [o, cols] -> block scales [o, B] and the global scale: `global_scale` ([1], or
+        [o] / [o, 1] per row), default one scalar for all of W."""
         w = w.float()
         g = self.global_scale(w.abs().amax()) if global_scale is None else global_scale
-        g = g.reshape(-1, 1, 1)  # broadcasts as one scalar, or one per row
-        blocks = grouped(w, 16)  # [o, B, 16]
-        block_scale = to_fp8_e4m3(blocks.abs().amax(dim=2, keepdim=True) / E2M1_MAX * g)
-        effective = safe_divisor(fp8_e4m3_decode(block_scale) / g)  # [o, B, 1]
-        return {"weight_packed": pack_e2m1(blocks, effective, w.shape[1]),  # [o, i/2]
-                "weight_scale": block_scale.squeeze(2),                     # [o, B]
-                "weight_global_scale": g.reshape(-1)}                        # [1] or [o]
+        g = g.float().reshape(-1, 1, 1)  # broadcasts as one scalar, or one per row
+        amax = grouped(w, 16).abs().amax(dim=2, keepdim=True)  # [o, B, 1]
+        return {"weight_scale": to_fp8_e4m3(amax / E2M1_MAX * g).squeeze(2),  # [o, B]
+                "weight_global_scale": g.reshape(-1)}                          # [1] or [o]
 
-    def dequantize(self, packed):
-        g = packed["weight_global_scale"].float().reshape(-1, 1, 1)         # [1 | o, 1, 1]
-        scale = fp8_e4m3_decode(packed["weight_scale"]).unsqueeze(2) / g    # [o, B, 1]
-        return scale_e2m1(packed["weight_packed"], scale, 16)
+    def codes(self, w, params):
+        return e2m1_codes(w, safe_divisor(self._block_scale(params)), 16)
+
+    def decode(self, codes, params):
+        return scale_e2m1(codes, self._block_scale(params), 16)
+
+    @staticmethod
+    def _block_scale(params) -> torch.Tensor:
+        """[o, B, 1] effective scale of each block: fp8 block scale / global scale."""
+        g = params["weight_global_scale"].float().reshape(-1, 1, 1)  # [1 | o, 1, 1]
+        return fp8_e4m3_decode(params["weight_scale"]).unsqueeze(2) / g
 
     def fake_quantize(self, x):
         """Per-token: each row of x [rows, in] gets its own global scale (dynamic, batch-invariant)."""
         g = self.global_scale(x.abs().amax(dim=1, keepdim=True))  # [rows, 1]
-        return self.dequantize(self.quantize(x, global_scale=g)).to(x.dtype)
+        return self.snap(x, self.params(x, global_scale=g)).to(x.dtype)
 
 
 class MxFp4Format(WeightFormat):
@@ -98,15 +100,15 @@ class MxFp4Format(WeightFormat):
         return [StoredTensor("weight_packed", torch.uint8, in_features // 2),
                 StoredTensor("weight_scale", torch.uint8, self.groups(in_features))]
 
-    def quantize(self, w):
-        blocks = grouped(w.float(), 32)  # [o, B, 32]
-        exponent = e8m0_encode_floor(blocks.abs().amax(dim=2, keepdim=True), elem_emax=2)
-        return {"weight_packed": pack_e2m1(blocks, e8m0_decode(exponent), w.shape[1]),  # [o, i/2]
-                "weight_scale": exponent.squeeze(2)}                                     # [o, B]
+    def params(self, w):
+        amax = grouped(w.float(), 32).abs().amax(dim=2)  # [o, B]
+        return {"weight_scale": e8m0_encode_floor(amax, elem_emax=2)}
 
-    def dequantize(self, packed):
-        scale = e8m0_decode(packed["weight_scale"]).unsqueeze(2)  # [o, B, 1]
-        return scale_e2m1(packed["weight_packed"], scale, 32)
+    def codes(self, w, params):
+        return e2m1_codes(w, e8m0_decode(params["weight_scale"]).unsqueeze(2), 32)
+
+    def decode(self, codes, params):
+        return scale_e2m1(codes, e8m0_decode(params["weight_scale"]).unsqueeze(2), 32)
 
 
 register_format(NvFp4Format())
