@@ -7,7 +7,8 @@ machine drifts over all alike; medians over rounds are reported. Per model:
   throughput  N requests x 128 prompt / 128 new tokens, all submitted at once (tok/s out)
   weights     resident bytes of every tensor the model holds (params, buffers and any
               other tensor attribute, e.g. prepacked copies), and the checkpoint's bytes
-Runs with OMP_WAIT_POLICY=PASSIVE unless set (spinning OpenMP threads distort a shared box).
+Runs with OpenMP's default wait policy (PASSIVE halves batch-1 decode on 2 cores); measure on a
+quiet machine.
 
     python benchmarks/quantization.py bf16=~/.cache/kiln/models/SmolLM2-135M-Instruct \\
         int8=/tmp/kq/int8 int4=/tmp/kq/int4 [--rounds 3] [--requests 32] [--threads 2]
@@ -18,12 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def resident_bytes(model) -> int:

@@ -5,9 +5,9 @@ EOS ignored), on the bundled default model in bf16. Offline, the engine is cappe
 running sequences so that both paths batch the same way; over HTTP, 32 client streams run
 concurrently. Prints output tokens/s of each path and HTTP / offline (target >= 0.90).
 
-Both paths run with OMP_WAIT_POLICY=PASSIVE (what `kiln serve` gives its worker): on a
-shared 2-core machine spinning OpenMP threads cost the offline path up to 9x, which would
-make the comparison about thread parking rather than serving overhead.
+Both paths run with OpenMP's default wait policy, as `kiln serve` gives its worker (set
+OMP_WAIT_POLICY to override both); measure on a quiet machine: when other jobs oversubscribe
+the cores, spinning threads can cost either path several times its speed.
 
 The HTTP client is deliberately thin (raw asyncio streams, no JSON parsing of chunks; tokens
 are counted from the final usage chunk) because it shares the machine's cores with the server.
@@ -38,7 +38,6 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see above)
 USAGE = re.compile(rb'"completion_tokens":(\d+)')
 
 

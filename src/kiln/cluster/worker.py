@@ -337,9 +337,9 @@ class WorkerProcess:
 
 def spawn_worker(config: WorkerConfig, incarnation: int) -> WorkerProcess:
     """Start `python -m kiln.cluster.worker` with `config`; returns at once (it loads async).
-    OMP threads sleep rather than spin between ops, leaving the gateway its share of CPU."""
+    OpenMP keeps its default wait policy (spin briefly, then sleep): PASSIVE (sleep at once)
+    halved batch-1 decode on a 2-core machine, since every op then waits for threads to wake."""
     env = dict(os.environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     cmd = [sys.executable, "-m", "kiln.cluster.worker", "--config-json",
            msgspec.json.encode(config).decode(), "--incarnation", str(incarnation)]

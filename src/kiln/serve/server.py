@@ -2,10 +2,10 @@
 engine workers (one by default; `--workers N` or `--prefill-workers P --decode-workers D`)
 through a `ClusterClient` (kiln.cluster.gateway), which also admits workers that join over TCP.
 
-CPU: the worker owns the engine's torch threads (`--threads`, default all cores) and its OpenMP
-threads sleep instead of spinning between ops (OMP_WAIT_POLICY=PASSIVE), so the gateway's
-single event-loop thread gets the CPU in the gaps; the gateway's per-token work is one
-detokenizer step and one SSE write per stream per engine step.
+CPU: the worker owns the engine's torch threads (`--threads`, default all cores); its OpenMP
+threads keep the default wait policy (spin briefly between ops, then sleep), so the gateway's
+single event-loop thread gets the CPU while the worker waits; the gateway's per-token work is
+one detokenizer step and one SSE write per stream per engine step.
 
 Shutdown: the first SIGTERM/SIGINT stops admission (new requests and /health get 503), waits
 up to `shutdown_timeout_s` for open requests to finish, fails the rest (streams get an error
