@@ -91,6 +91,7 @@ def random_batch(dtype, query_lens, context_lens, hq=6, hkv=2, d=64, bs=4):
     ([1], [0]), ([1, 1, 1], [5, 17, 33]),  # decodes
     ([4, 1, 40], [9, 30, 0]),  # drafts, a decode, a long prefill chunk (the SDPA path)
     ([20, 3], [7, 12]),
+    ([24, 1, 33], [0, 8, 50]),  # two long chunks: a fresh prompt and one after its context
 ])
 def test_cpu_backend_matches_torch_backend(dtype, query_lens, context_lens):
     layout, positions, cache, q, k, v, bs = random_batch(dtype, query_lens, context_lens)

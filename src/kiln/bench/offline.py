@@ -132,7 +132,10 @@ def scenario_decode(report, llm, hf, vocab, runs, _n):
     kiln = median_of(runs, lambda: _kiln_tokens_per_s(llm, prompt, 128))
     peer = median_of(runs, lambda: hf.tokens_per_s(prompt, 128)) if hf else None
     report.rows.append(Row("decode", "batch-1 decode", kiln, peer, "HF generate", "tok/s"))
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    # bytes a decode step reads: every weight but the embedding table (one row per token)
+    weights = sum(p.numel() * p.element_size()
+                  for name, p in llm.engine.runner.model.named_parameters()
+                  if "embed_tokens" not in name)
     ceiling = BANDWIDTH_GBPS * 1e9 / weights
     report.notes.update({"weight_bytes": weights, "bandwidth_ceiling_tok_s": ceiling,
                          "decode_fraction_of_ceiling": kiln / ceiling})

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass
@@ -136,13 +137,49 @@ class TorchPagedAttention:
 
 
 @dataclass
+class LongQuery:
+    """One long prefill chunk: its flat rows start..start+n, attending keys at `key_slots`
+    (its whole sequence so far) with a causal mask aligned to the end (bottom right)."""
+
+    start: int
+    n: int
+    key_slots: torch.Tensor  # [context + n] cache slots of the sequence's keys, in order
+
+
+@dataclass
 class CpuAttentionMetadata:
     slot_mapping: torch.Tensor  # [T]
     block_size: int
     short: SeqLayout | None  # sequences with short queries: the C++ kernel reads the cache
-    long: PaddedLayout | None  # long prefill chunks: the padded SDPA path
-    long_rows: torch.Tensor | None  # [T_long] flat rows of the long sequences' tokens
+    long: list[LongQuery]  # long prefill chunks: SDPA with a causal bias, one at a time
     num_tokens: int
+
+
+def long_queries(layout: SeqLayout, block_size: int) -> list[LongQuery]:
+    out = []
+    for start, n, context, blocks in zip(layout.query_start.tolist(), layout.query_lens.tolist(),
+                                         layout.context_lens.tolist(), layout.block_table,
+                                         strict=True):
+        pos = torch.arange(context + n)
+        out.append(LongQuery(start, n, blocks[pos // block_size] * block_size + pos % block_size))
+    return out
+
+
+def causal_attention(q: torch.Tensor, kv_cache, item: LongQuery, scale: float) -> torch.Tensor:
+    """SDPA for one sequence's chunk: [n, Hq, D] queries over its cached keys -> [n, Hq * D].
+    A causal bias instead of a materialized mask lets SDPA skip the masked blocks."""
+    k_cache, v_cache = kv_cache
+    qs = q[item.start:item.start + item.n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    ks = k_cache[item.key_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, K, D]
+    vs = v_cache[item.key_slots].transpose(0, 1).unsqueeze(0)
+    gqa = qs.shape[1] != ks.shape[1]
+    if ks.shape[2] == item.n:
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                             enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=gqa,
+                                             attn_mask=causal_lower_right(item.n, ks.shape[2]))
+    return out[0].transpose(0, 1).reshape(item.n, -1)
 
 
 def _subset(layout: SeqLayout, keep: torch.Tensor) -> SeqLayout:
@@ -153,8 +190,9 @@ def _subset(layout: SeqLayout, keep: torch.Tensor) -> SeqLayout:
 @register_attention_backend("cpu")
 class CpuPagedAttention:
     """C++ paged attention for decodes and short queries (reads K/V in place, no gather);
-    long prefill chunks go through the SDPA path, whose gather cost is amortized over many
-    query tokens. Needs kiln.runner.cpu_ops."""
+    long prefill chunks go through SDPA one sequence at a time with a causal bias (the gather
+    cost is amortized over many query tokens, and SDPA skips the masked half). Needs
+    kiln.runner.cpu_ops."""
 
     max_kernel_query_len = 16
 
@@ -168,15 +206,10 @@ class CpuPagedAttention:
                        block_size: int) -> CpuAttentionMetadata:
         is_short = layout.query_lens <= self.max_kernel_query_len
         short = _subset(layout, is_short) if bool(is_short.any()) else None
-        long = long_rows = None
-        if not bool(is_short.all()):
-            long_layout = _subset(layout, ~is_short)
-            long = build_padded_layout(long_layout, block_size)
-            long_rows = torch.cat([torch.arange(int(s), int(s) + int(n)) for s, n in
-                                   zip(long_layout.query_start, long_layout.query_lens,
-                                       strict=True)])
+        long = [] if bool(is_short.all()) else long_queries(_subset(layout, ~is_short),
+                                                             block_size)
         return CpuAttentionMetadata(slot_mapping_for(layout, positions, block_size), block_size,
-                                    short, long, long_rows, len(positions))
+                                    short, long, len(positions))
 
     def forward(self, q, k, v, kv_cache, meta: CpuAttentionMetadata, scale: float):
         k_cache, v_cache = kv_cache
@@ -188,6 +221,6 @@ class CpuPagedAttention:
             torch.ops.kiln.paged_attention(out, q, k_cache, v_cache, s.block_table,
                                            s.query_start, s.query_lens, s.context_lens,
                                            meta.block_size, scale)
-        if meta.long is not None:
-            out[meta.long_rows] = padded_attention(q, kv_cache, meta.long, scale)
+        for item in meta.long:
+            out[item.start:item.start + item.n] = causal_attention(q, kv_cache, item, scale)
         return out
