@@ -7,6 +7,8 @@ here too, each tested against that reference.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 # When torch's int8 weight-only kernel pays off on CPU (measured on 576x1536 and 1536x576,
@@ -24,6 +26,35 @@ def int8_weight_only_mm(x: torch.Tensor, weight: torch.Tensor,
             or x.dtype not in INT8_WEIGHT_ONLY_DTYPES or x.shape[0] > INT8_WEIGHT_ONLY_MAX_TOKENS):
         return None
     return torch._weight_int8pack_mm(x.contiguous(), weight, scale.reshape(-1).to(x.dtype))
+
+
+# kiln's own int8 weight-only kernel (`torch.ops.kiln.int8_gemv`, kiln/runner/cpu_ops): each
+# weight row is read once for up to 8 tokens, converted to fp32 and multiplied against x in
+# fp32 (any float dtype), prefetching the next rows. Decode is memory-bound and int8 halves the
+# bytes of bf16, but `_weight_int8pack_mm` streams weights from memory no faster than oneDNN's
+# bf16 linear. Measured (benchmarks/int8_gemv.py, weights cycled through 64 copies so they come
+# from memory as in decode; one token, bf16 x, 2-core AMD EPYC, torch 2.13): 576x1536, 1 thread
+# 30 us vs 58 (torch int8) and 64 (oneDNN bf16), two threads 18 vs 26 and 36; it stays ahead
+# of torch's int8 kernel up to 2 tokens, is on a par at 3-4 (fp32 FMAs bound it) and ahead
+# again at 6-8. fp32 activations have no other int8 kernel (dequantize + matmul is far slower).
+# KILN_INT8_GEMV_MAX_TOKENS=0 turns it off (the torch paths then serve).
+INT8_GEMV_MAX_TOKENS = int(os.environ.get("KILN_INT8_GEMV_MAX_TOKENS", "8"))
+
+
+def int8_gemv_mm(x: torch.Tensor, weight: torch.Tensor,
+                 scale: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] float @ (weight int8 [N, K] * scale [N, 1])^T -> [M, N] in x's dtype, with
+    kiln's C++ kernel; None for more than INT8_GEMV_MAX_TOKENS tokens, off-CPU tensors or
+    where the kiln kernels did not build."""
+    if x.shape[0] > INT8_GEMV_MAX_TOKENS or x.device.type != "cpu" or not _kiln_kernels():
+        return None
+    return torch.ops.kiln.int8_gemv(x, weight, scale)
+
+
+def _kiln_kernels() -> bool:
+    from kiln.runner import cpu_ops
+
+    return cpu_ops.load()
 
 
 def int8_int8_mm(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

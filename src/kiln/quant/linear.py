@@ -21,9 +21,9 @@ to one per output row at `finalize`, so fused q/k/v with different global scales
 Compute: the reference path dequantizes the weight in row tiles of at most `tile_elements`
 values and multiplies in the activation dtype. Nothing dequantized is cached between calls:
 a cache would give the memory saving back, so each call pays the dequantization (which
-dominates at batch 1). int8 uses torch's int8 kernels where kiln.quant.kernels has one; int4
-(both variants) is repacked at `finalize` into the layout of torch's CPU int4 kernel, which
-serves bf16/fp16 activations at small token counts (see Int4LinearMethod).
+dominates at batch 1). int8 uses kiln's or torch's int8 kernels where kiln.quant.kernels
+has one; int4 (both variants) is repacked at `finalize` into the layout of torch's CPU int4
+kernel, which serves bf16/fp16 activations at small token counts (see Int4LinearMethod).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from kiln.quant.kernels import (
     int4_kernel_unpack,
     int4_scales_and_zeros,
     int4_weight_only_mm,
+    int8_gemv_mm,
     int8_int8_mm,
     int8_weight_only_mm,
 )
@@ -187,16 +188,19 @@ class QuantLinearMethod:
 
 
 class Int8LinearMethod(QuantLinearMethod):
-    """int8 weights: torch's int8 kernels where they are fast, the reference path otherwise.
+    """int8 weights: int8 kernels where they are fast, the reference path otherwise.
 
-    Weight-only: `_weight_int8pack_mm` for bf16/fp16 activations. With `act_quant` (W8A8):
+    Weight-only: kiln's `int8_gemv` up to INT8_GEMV_MAX_TOKENS tokens (any float dtype), then
+    torch's `_weight_int8pack_mm` for bf16/fp16 activations. With `act_quant` (W8A8):
     per-token symmetric int8 activations and an exact int32 accumulation via `_int_mm`.
     """
 
     def matmul(self, layer, x2):
         if self.act_quant:
             return self.w8a8_matmul(layer, x2)
-        y = int8_weight_only_mm(x2, layer.weight, layer.weight_scale)
+        y = int8_gemv_mm(x2, layer.weight, layer.weight_scale)
+        if y is None:
+            y = int8_weight_only_mm(x2, layer.weight, layer.weight_scale)
         return self.dequantized_matmul(layer, x2) if y is None else y
 
     def w8a8_matmul(self, layer: Linear, x2: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
-// kiln CPU kernels: fused elementwise ops and paged attention for short queries.
+// kiln CPU kernels: fused elementwise ops, paged attention for short queries and an int8
+// weight-only matmul for decode-sized token counts.
 //
-// Each op has a plain torch reference in kiln/models/layers/ops.py or kiln/runner/attention.py
-// that the tests compare it with. Math is done in fp32 and rounded once to the tensor dtype.
+// Each op has a plain torch reference in kiln/models/layers/ops.py, kiln/runner/attention.py or
+// kiln/quant/linear.py that the tests compare it with. Math is done in fp32 and rounded once to the tensor dtype.
 // Built on first use with torch.utils.cpp_extension (see kiln/runner/cpu_ops/__init__.py).
 
 #include <ATen/Parallel.h>
@@ -12,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <type_traits>
 #include <cmath>
 #include <limits>
@@ -408,6 +410,120 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   });
 }
 
+// -- int8 weight-only matmul for a few tokens --------------------------------------------------
+//
+// y[m, n] = scale[n] * sum_k x[m, k] w[n, k]; x [M, K] float, w int8 [N, K] row-major, scale
+// fp32 [N]; y [M, N] in x's dtype. Weight-only: x stays float (converted to fp32 once per call)
+// and every product is accumulated in fp32. Decode is memory-bound, so the kernel reads each
+// weight row once for up to 8 tokens, R rows at a time (R * M accumulators in registers).
+// Each output is summed by one thread in a fixed order: results do not depend on threads.
+constexpr int64_t kInt8TokenTile = 8;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+inline __m512 int8_to_ps(__m128i codes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)); }
+
+// out[r * M + m] = x[m] . w[r] for R consecutive weight rows; K % 16 tail by masked loads.
+template <int M, int R>
+void int8_dot_rows(const float* xf, const int8_t* w, int64_t K, float* out) {
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  auto step = [&](int64_t k, __mmask16 mask) {
+    __m512 xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, xf + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = int8_to_ps(_mm_maskz_loadu_epi8(mask, w + r * K + k));
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
+    }
+  };
+  // The R rows stream from memory side by side, which the hardware prefetcher follows
+  // poorly: fetch the same cache line of the next R rows (the next block) while computing.
+  const __mmask16 all = static_cast<__mmask16>(0xFFFF);
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    for (int r = 0; r < R; ++r)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
+    step(k, all), step(k + 16, all), step(k + 32, all), step(k + 48, all);
+  }
+  for (int r = 0; r < R && k < K; ++r)
+    _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
+  for (; k + 16 <= K; k += 16) step(k, all);
+  if (k < K) step(k, static_cast<__mmask16>((1u << (K - k)) - 1));
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) out[r * M + m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+#else
+template <int M, int R>
+void int8_dot_rows(const float* xf, const int8_t* w, int64_t K, float* out) {
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += xf[m * K + k] * static_cast<float>(w[r * K + k]);
+      out[r * M + m] = acc;
+    }
+}
+#endif
+
+// y rows [0, M) from xf [M, K]; output rows split across threads in blocks of R.
+template <typename T, int M, int R>
+void int8_mm_tile(const float* xf, const int8_t* w, const float* scale, T* y, int64_t N,
+                  int64_t K) {
+  const int64_t blocks = (N + R - 1) / R;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (R * K));  // >= ~32 KiB each
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    float acc[R * M];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * R, rows = std::min<int64_t>(R, N - n0);
+      if (rows == R) {
+        int8_dot_rows<M, R>(xf, w + n0 * K, K, acc);
+      } else {
+        for (int64_t r = 0; r < rows; ++r) int8_dot_rows<M, 1>(xf, w + (n0 + r) * K, K, acc + r * M);
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int m = 0; m < M; ++m) y[m * N + n0 + r] = static_cast<T>(scale[n0 + r] * acc[r * M + m]);
+    }
+  });
+}
+
+// R per token count keeps R * M + M + 1 vectors within the 32 registers.
+template <typename T>
+void int8_mm_tokens(int64_t M, const float* xf, const int8_t* w, const float* scale, T* y,
+                    int64_t N, int64_t K) {
+  switch (M) {
+    case 1: return int8_mm_tile<T, 1, 8>(xf, w, scale, y, N, K);
+    case 2: return int8_mm_tile<T, 2, 4>(xf, w, scale, y, N, K);
+    case 3: return int8_mm_tile<T, 3, 2>(xf, w, scale, y, N, K);
+    case 4: return int8_mm_tile<T, 4, 2>(xf, w, scale, y, N, K);
+    case 5: return int8_mm_tile<T, 5, 2>(xf, w, scale, y, N, K);
+    case 6: return int8_mm_tile<T, 6, 2>(xf, w, scale, y, N, K);
+    case 7: return int8_mm_tile<T, 7, 2>(xf, w, scale, y, N, K);
+    default: return int8_mm_tile<T, 8, 2>(xf, w, scale, y, N, K);
+  }
+}
+
+// Any M works (in tiles of 8 tokens, each re-reading the weights); callers use it for M <= 8.
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "int8_gemv: x [M, K] and w [N, K] expected");
+  TORCH_CHECK(w.scalar_type() == at::kChar, "int8_gemv: w must be int8");
+  TORCH_CHECK(scale.numel() == w.size(0), "int8_gemv: one scale per output row expected");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto sc = scale.reshape(-1).to(at::kFloat).contiguous();
+  auto y = at::empty({M, N}, xc.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "int8_gemv", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    std::vector<float> xf(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = f32(xp[i]);
+    for (int64_t m0 = 0; m0 < M; m0 += kInt8TokenTile)
+      int8_mm_tokens<scalar_t>(std::min(kInt8TokenTile, M - m0), xf.data() + m0 * K,
+                               wc.data_ptr<int8_t>(), sc.data_ptr<float>(),
+                               y.data_ptr<scalar_t>() + m0 * N, N, K);
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kiln, m) {
@@ -422,4 +538,5 @@ TORCH_LIBRARY(kiln, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_table, Tensor query_start, Tensor query_lens, Tensor context_lens, "
         "int block_size, float scale) -> ()", &paged_attention);
+  m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor", &int8_gemv);
 }
