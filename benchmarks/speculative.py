@@ -204,6 +204,28 @@ def report(runs: dict[tuple, list[Run]], names: list[str], args, run_log: list[d
               f"{acc} |")
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "rows": rows, "runs": run_log}, f, indent=2)
+    plot(rows, str(args.out).removesuffix(".json") + ".png")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Speed-up over off per configuration, one panel per (domain, batch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({(r["domain"], r["batch"]) for r in rows})
+    fig, axes = plt.subplots(1, len(cases), figsize=(3.2 * len(cases), 3.4), sharey=True)
+    for ax, (domain, batch) in zip(axes, cases, strict=True):
+        case = [r for r in rows if (r["domain"], r["batch"]) == (domain, batch)]
+        ax.bar([r["config"] for r in case], [r["speedup"] for r in case], color="tab:orange")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_title(f"{domain} prompts, batch {batch}")
+        ax.tick_params(axis="x", rotation=45)
+    axes[0].set_ylabel("decode tok/s vs off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
