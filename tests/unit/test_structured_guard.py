@@ -51,20 +51,19 @@ def first_trip(ids: list[int], filler: bytes, settings=STOP) -> tuple[int, str] 
     return None
 
 
-def _tokenizers():
-    from kiln.models.default import default_entry
-    from kiln.testing.tiny import make_tokenizer
+def _tokenizer(name: str):
+    if name == "tiny":
+        from kiln.testing.tiny import make_tokenizer
+        return make_tokenizer()
+    from transformers import AutoTokenizer
 
-    yield pytest.param(make_tokenizer(), id="tiny")
-    entry = default_entry()
-    if entry.present:
-        from transformers import AutoTokenizer
-        yield pytest.param(AutoTokenizer.from_pretrained(entry.path), id="default-model")
+    from kiln.models.default import default_model_path
+    return AutoTokenizer.from_pretrained(default_model_path())  # pulls it on first use
 
 
-@pytest.fixture(scope="module", params=list(_tokenizers()))
+@pytest.fixture(scope="module", params=["tiny", "default-model"])
 def vocab(request) -> Vocabulary:
-    tok = request.param
+    tok = _tokenizer(request.param)
     return Vocabulary(tok, len(tok))
 
 
