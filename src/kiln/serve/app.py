@@ -121,25 +121,24 @@ def _add_debug_routes(app: FastAPI, ctx: ServeContext) -> None:
         explain = getattr(ctx.client, "explain", None)
         if explain is None:
             raise APIError(404, "this engine client does not route", code="not_found")
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give exactly one of prompt or messages", param="prompt")
-        if body.messages is not None:
-            tokens = ctx.frontend.chat_prompt(body.messages, body.add_generation_prompt)
-        else:
-            tokens = ctx.frontend.encode(body.prompt, body.add_special_tokens)
+        tokens = prompt_tokens(ctx, body)
         return JSONResponse(dataclasses.asdict(explain(tokens, tenant_salt(request))))
+
+
+def prompt_tokens(ctx: ServeContext, body) -> list[int]:
+    """The token ids of a body holding exactly one of `prompt` (text) or `messages` (chat)."""
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt or messages", param="prompt")
+    if body.messages is not None:
+        return ctx.frontend.chat_prompt(body.messages, body.add_generation_prompt)
+    return ctx.frontend.encode(body.prompt, body.add_special_tokens)
 
 
 def _add_tokenizer_routes(app: FastAPI, ctx: ServeContext) -> None:
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         ctx.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give exactly one of prompt or messages", param="prompt")
-        if body.messages is not None:
-            tokens = ctx.frontend.chat_prompt(body.messages, body.add_generation_prompt)
-        else:
-            tokens = ctx.frontend.encode(body.prompt, body.add_special_tokens)
+        tokens = prompt_tokens(ctx, body)
         limits = ctx.client.limits
         return TokenizeResponse(count=len(tokens), tokens=tokens,
                                 max_model_len=limits.max_model_len if limits else None)
