@@ -217,7 +217,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids, output_token_ids=request.output_token_ids,
             prompt_logprobs=request.params.prompt_logprobs is not None
             and start < request.num_prompt_tokens,
-            grammar=getattr(request, "grammar", None),
+            grammar=request.grammar,
             draft_probs=None if request.spec_draft_probs is None or not drafts
             else request.spec_draft_probs[:drafts])
 
@@ -278,22 +278,25 @@ class Scheduler:
                     status: RequestStatus | None = None) -> bool:
         """Whether `token` ends the request: `status` (from token_check), EOS, a stop token,
         max_tokens or max_model_len."""
-        params = request.params
-        if status is not None:
-            pass  # the token check decided: repetition, the grammar's end, or its error
-        elif token in request.eos_token_ids and not params.ignore_eos:
-            status = RequestStatus.FINISHED_STOPPED
-        elif token in params.stop_token_ids:
-            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            status = RequestStatus.FINISHED_LENGTH
-        elif request.num_tokens >= self.max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
+        status = status or self._stop_status(request, token)
         if status is None:
             return False
         self.running.remove(request)
         self._finish(request, status)
         return True
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.params
+        if token in request.eos_token_ids and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def stop_request(self, request: Request, status: RequestStatus) -> None:
         """End a running request from a guard inside the step loop (e.g. repetition)."""
