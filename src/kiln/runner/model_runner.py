@@ -89,11 +89,6 @@ class ModelRunner:
             return config.attention_backend
         return "cpu" if self.ops.name == "kernels" else "torch"
 
-    def _attention_backend(self, config: ModelConfig) -> str:
-        if config.attention_backend != "auto":
-            return config.attention_backend
-        return "cpu" if self.ops.name == "kernels" else "torch"
-
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate K and V for every layer once: [num_blocks * block_size, Hkv, D] each.
         Left uninitialized, so the OS maps pages only as blocks are first written; attention
