@@ -16,9 +16,9 @@ replaced layer sits in block k recomputes blocks k.. only.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +41,6 @@ class Fidelity:
     ppl: float  # this model's perplexity on the text
     ref_ppl: float  # the reference's
     tokens: int  # positions measured
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def kl_divergence(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
@@ -221,9 +218,3 @@ def quantized_weight(layer: Linear, fmt: str, source: torch.Tensor | None = None
     method.finalize(probe)
     return method.dequantize_weight(probe)
 
-
-def layer_weights(model: nn.Module,
-                  keep: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
-    """{linear layer name: effective float32 weight} of every layer `keep` accepts."""
-    return {name: effective_weight(m) for name, m in model.named_modules()
-            if isinstance(m, Linear) and keep(name)}

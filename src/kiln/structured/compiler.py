@@ -165,11 +165,6 @@ class GrammarCompiler:
     def cache_len(self) -> int:
         return len(self._cache)
 
-    def clear_cache(self) -> None:
-        with self._lock:
-            self._cache.clear()
-            self._cache_bytes = 0
-
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._lazy_pool.shutdown(wait=False, cancel_futures=True)
