@@ -104,3 +104,31 @@ def test_cpu_backend_matches_torch_backend(dtype, query_lens, context_lens):
     close(out, ref_out, dtype)
     slots = slot_mapping_for(layout, positions, bs)
     assert torch.equal(cache[0][slots], k) and torch.equal(cache[1][slots], v)
+
+
+@pytest.mark.skipif(not (cpu_ops.load() and torch.ops.kiln.has_bf16_attention()),
+                    reason="built without AVX512-BF16")
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
+@pytest.mark.parametrize("query_lens, context_lens", [
+    ([17], [0]),  # just past the short-query kernel
+    ([300, 33, 70], [0, 129, 1]),  # several tiles; odd lengths; a context not on a block edge
+    ([1024], [0]),
+])
+def test_bf16_prefill_kernel_matches_fp32_attention(hq, hkv, d, query_lens, context_lens):
+    """The long-query kernel (bf16 pairs into fp32 dot products) against exact fp32 attention
+    of the same bf16 inputs, and no further from it than torch's own bf16 SDPA."""
+    layout, positions, cache, q, k, v, bs = random_batch(torch.bfloat16, query_lens,
+                                                         context_lens, hq=hq, hkv=hkv, d=d)
+    scale = d ** -0.5
+    cpu = CpuPagedAttention()
+    meta = cpu.build_metadata(layout, positions, bs)
+    assert meta.short is None
+    out = cpu.forward(q, k, v, cache, meta, scale)
+    cpu.bf16_prefill = False  # the SDPA path on the same inputs
+    sdpa = cpu.forward(q, k, v, cache, meta, scale)
+    exact = TorchPagedAttention().forward(
+        q.float(), k.float(), v.float(), tuple(c.float() for c in cache),
+        TorchPagedAttention().build_metadata(layout, positions, bs), scale)
+    err = (out.float() - exact).abs().max().item()
+    assert err < 2e-2
+    assert err <= 2 * (sdpa.float() - exact).abs().max().item() + 1e-3
