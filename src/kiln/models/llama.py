@@ -181,6 +181,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
         x, residual = self.model.embed_tokens(input_ids), None
+        if self._stack_ready(meta):
+            return fused_stack(self, x, positions, kv_caches, meta)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
         norm = self.model.norm
@@ -188,3 +190,70 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def _stack_ready(self, meta) -> bool:
+        """Whether this step can run as one C++ call (`fused_stack`): the fast path's ops
+        throughout, no hooks to honour (speculator heads, scoring and GPTQ attach them), and
+        every chunk's attention within the C++ kernels."""
+        if self.__dict__.get("_stack") is None:
+            self._stack = stack_weights(self)
+        if not self._stack:
+            return False
+        if meta.long is not None and not self._stack["long_ok"]:
+            return False
+        return not (global_hooks() or any(m._forward_hooks or m._forward_pre_hooks
+                                          for m in self._stack["hookable"]))
+
+
+def global_hooks() -> bool:
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+
+
+def stack_weights(model: LlamaForCausalLM) -> dict:
+    """The per-layer tensors `kiln::llama_stack` takes, or {} when the model is not on the
+    fast path throughout (reference ops, another attention backend, a quantized or biased
+    linear, q/k norms)."""
+    from kiln.models.layers.onednn import OneDNNLinearMethod
+    from kiln.runner.attention import CpuPagedAttention
+
+    layers = list(model.model.layers)
+    attn = [layer.self_attn for layer in layers]
+    mlp = [layer.mlp for layer in layers]
+    linears = [m for a, f in zip(attn, mlp, strict=True)
+               for m in (a.qkv_proj, a.o_proj, f.gate_up_proj, f.down_proj)]
+    if (model.ops.name != "kernels" or model.arch.qk_norm
+            or not all(isinstance(a.backend, CpuPagedAttention) for a in attn)
+            or not all(isinstance(m.method, OneDNNLinearMethod) and m.bias is None
+                       and hasattr(m, "packed_weight") for m in linears)):
+        return {}
+    return {
+        "input_norm": [layer.input_layernorm.weight for layer in layers],
+        "qkv": [a.qkv_proj.packed_weight for a in attn],
+        "o": [a.o_proj.packed_weight for a in attn],
+        "post_norm": [layer.post_attention_layernorm.weight for layer in layers],
+        "gate_up": [f.gate_up_proj.packed_weight for f in mlp],
+        "down": [f.down_proj.packed_weight for f in mlp],
+        "hookable": layers + attn + mlp + linears,
+        "long_ok": attn[0].backend.bf16_prefill and model.arch.head_dim in (64, 128),
+    }
+
+
+def fused_stack(model: LlamaForCausalLM, x, positions, kv_caches, meta) -> torch.Tensor:
+    """Every decoder layer and the final norm in one call to `kiln::llama_stack`: the same
+    kernels in the same order as the per-layer path, so the same result to the bit."""
+    w, a = model._stack, model.arch
+    short, long = meta.short, meta.long
+    none4 = (None, None, None, None)
+    short_args = ((short.block_table, short.query_start, short.query_lens, short.context_lens)
+                  if short is not None else none4)
+    long_args = ((long.block_table, long.query_start, long.query_lens, long.context_lens)
+                 if long is not None else none4)
+    norm = model.model.norm
+    return torch.ops.kiln.llama_stack(
+        x, positions, w["input_norm"], w["qkv"], w["o"], w["post_norm"], w["gate_up"],
+        w["down"], norm.weight, model.rotary.cos32, model.rotary.sin32,
+        [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping, *short_args,
+        *long_args, meta.block_size, a.head_dim ** -0.5, norm.eps, a.num_heads,
+        a.num_kv_heads, a.head_dim)

@@ -770,6 +770,73 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return y;
 }
 
+// -- The whole decoder stack of a Llama-family model in one call ------------------------------
+//
+// The same ops, in the same order and with the same roundings, as LlamaDecoderLayer.forward on
+// kiln's fast path (fused norms, oneDNN-prepacked bf16 linears, in-place rotary, the cpu
+// attention backend), for every layer, without returning to Python in between: at batch 1 the
+// ~20 Python-level calls per layer cost more than the layer's norms, rotary and attention
+// together. Used only where the model has no hooks, biases or q/k norms (LlamaForCausalLM
+// decides); its result is bit-identical to the per-layer path, which the tests check.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
+  static auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                        c10::string_view, c10::List<std::optional<at::Scalar>>,
+                        std::optional<c10::string_view>)>();
+  return op.call(x, packed, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), "");
+}
+
+at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
+                       at::TensorList input_norm, at::TensorList qkv_proj,
+                       at::TensorList o_proj, at::TensorList post_norm,
+                       at::TensorList gate_up_proj, at::TensorList down_proj,
+                       const at::Tensor& final_norm, const at::Tensor& cos32,
+                       const at::Tensor& sin32, at::TensorList k_caches,
+                       at::TensorList v_caches, const at::Tensor& slot_mapping,
+                       const std::optional<at::Tensor>& short_table,
+                       const std::optional<at::Tensor>& short_start,
+                       const std::optional<at::Tensor>& short_lens,
+                       const std::optional<at::Tensor>& short_context,
+                       const std::optional<at::Tensor>& long_table,
+                       const std::optional<at::Tensor>& long_start,
+                       const std::optional<at::Tensor>& long_lens,
+                       const std::optional<at::Tensor>& long_context, int64_t block_size,
+                       double scale, double eps, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim) {
+  const int64_t layers = static_cast<int64_t>(qkv_proj.size());
+  const int64_t tokens = x_in.size(0), q_size = num_heads * head_dim;
+  const int64_t kv_size = num_kv_heads * head_dim;
+  at::Tensor x = x_in, residual;
+  for (int64_t l = 0; l < layers; ++l) {
+    at::Tensor h;
+    if (l == 0) {
+      residual = x;
+      h = rms_norm(x, input_norm[l], eps);
+    } else {
+      h = add_rms_norm(x, residual, input_norm[l], eps);
+    }
+    at::Tensor qkv = onednn_linear(h, qkv_proj[l]);
+    rotary_inplace(qkv, positions, cos32, sin32, num_heads, num_kv_heads, head_dim);
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size)
+                             .view({tokens, num_kv_heads, head_dim});
+    at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
+    write_kv(k, v, k_cache, v_cache, slot_mapping);
+    at::Tensor attn = at::empty({tokens, q_size}, qkv.options());
+    if (short_table.has_value())
+      paged_attention(attn, q, k_cache, v_cache, *short_table, *short_start, *short_lens,
+                      *short_context, block_size, scale);
+    if (long_table.has_value())
+      prefill_attention(attn, q, k_cache, v_cache, *long_table, *long_start, *long_lens,
+                        *long_context, block_size, scale);
+    h = add_rms_norm(onednn_linear(attn, o_proj[l]), residual, post_norm[l], eps);
+    x = onednn_linear(silu_mul(onednn_linear(h, gate_up_proj[l])), down_proj[l]);
+  }
+  return add_rms_norm(x, residual, final_norm, eps);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kiln, m) {
@@ -789,4 +856,11 @@ TORCH_LIBRARY(kiln, m) {
         "int block_size, float scale) -> ()", &prefill_attention);
   m.def("has_bf16_attention() -> bool", &has_bf16_attention);
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor", &int8_gemv);
+  m.def("llama_stack(Tensor x, Tensor positions, Tensor[] input_norm, Tensor[] qkv_proj, "
+        "Tensor[] o_proj, Tensor[] post_norm, Tensor[] gate_up_proj, Tensor[] down_proj, "
+        "Tensor final_norm, Tensor cos32, Tensor sin32, Tensor[] k_caches, Tensor[] v_caches, "
+        "Tensor slot_mapping, Tensor? short_table, Tensor? short_start, Tensor? short_lens, "
+        "Tensor? short_context, Tensor? long_table, Tensor? long_start, Tensor? long_lens, "
+        "Tensor? long_context, int block_size, float scale, float eps, int num_heads, "
+        "int num_kv_heads, int head_dim) -> Tensor", &llama_stack);
 }

@@ -1,0 +1,84 @@
+"""The whole decoder stack as one C++ call (`kiln::llama_stack`) against the per-layer path."""
+
+from __future__ import annotations
+
+import pytest
+
+import kiln.models.llama as llama
+from kiln import LLM, SamplingParams
+from kiln.runner import cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="kiln CPU kernels did not build")
+
+PROMPTS = [list(range(3, 3 + n)) for n in (5, 40, 90, 17)]  # short and long prefill chunks
+
+
+def tiny_llm(tiny_ckpt, **kwargs):
+    # head dim 64 (hidden 256 / 4 heads), so long chunks can use the C++ prefill kernel too
+    path = tiny_ckpt("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=3)
+    return LLM(path, dtype="bfloat16", kv_cache_memory=16 << 20, num_threads=2, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    return tiny_llm(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def layered_llm(tiny_ckpt):
+    llm = tiny_llm(tiny_ckpt)
+    llm.engine.runner.model._stack = {}  # {}: never fused
+    return llm
+
+
+def run(llm, monkeypatch, calls: list) -> list:
+    """Greedy with logprobs on fresh prompts, then again after their cached prefixes."""
+    real = llama.fused_stack
+
+    def counted(*args):
+        calls.append(args[1].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(llama, "fused_stack", counted)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    outs += llm.generate([{"prompt_token_ids": p + [7, 8, 9]} for p in PROMPTS], params)
+    return [(o.outputs[0].token_ids, [[(t, lp.logprob) for t, lp in sorted(step.items())]
+                                      for step in o.outputs[0].logprobs]) for o in outs]
+
+
+def test_fused_stack_is_bit_identical_to_the_layer_path(llm, layered_llm, monkeypatch):
+    if not llama.stack_weights(llm.engine.runner.model):
+        pytest.skip("this machine's model is not on the oneDNN fast path")
+    fused_calls, layer_calls = [], []
+    fused = run(llm, monkeypatch, fused_calls)
+    layered = run(layered_llm, monkeypatch, layer_calls)
+    assert layer_calls == []
+    assert max(fused_calls) > len(PROMPTS) and len(PROMPTS) in fused_calls  # prefill, decode
+    assert fused == layered  # tokens and logprobs, exactly
+
+
+def test_hooks_turn_the_fused_path_off(tiny_ckpt, monkeypatch):
+    llm = tiny_llm(tiny_ckpt)
+    model = llm.engine.runner.model
+    if not llama.stack_weights(model):
+        pytest.skip("this machine's model is not on the oneDNN fast path")
+    seen = []
+    handle = model.model.layers[1].mlp.down_proj.register_forward_hook(
+        lambda _m, _a, out: seen.append(out.shape[0]))
+    calls: list = []
+    try:
+        run(llm, monkeypatch, calls)
+    finally:
+        handle.remove()
+    assert calls == [] and seen  # every step went layer by layer, so the hook saw them all
+    run(llm, monkeypatch, calls)
+    assert calls
+
+
+def test_reference_ops_never_fuse(tiny_ckpt):
+    path = tiny_ckpt("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=3)
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory=16 << 20, num_threads=1, kernels="torch")
+    assert llama.stack_weights(llm.engine.runner.model) == {}
+    fp32 = LLM(path, dtype="float32", kv_cache_memory=16 << 20, num_threads=1)
+    assert llama.stack_weights(fp32.engine.runner.model) == {}
