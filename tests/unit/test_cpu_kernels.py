@@ -110,6 +110,37 @@ def test_cpu_backend_matches_torch_backend(dtype, query_lens, context_lens):
                     reason="built without AVX512-BF16")
 @pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
 @pytest.mark.parametrize("query_lens, context_lens", [
+    ([1], [37]),  # one sequence: a job per kv head
+    ([1] * 9, [0, 1, 15, 16, 17, 40, 63, 64, 200]),  # many: a job per sequence, all its heads
+    ([3, 1, 16, 1, 1], [20, 5, 33, 0, 90]),  # drafts and a 16-token query among decodes
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_decode_kernel_matches_fp32_attention(hq, hkv, d, query_lens, context_lens,
+                                                   threads):
+    """Short queries on bf16 caches (dot products along the head dim, 16 keys reduced at
+    once, rows touched before use) against exact fp32 attention of the same inputs."""
+    layout, positions, cache, q, k, v, bs = random_batch(torch.bfloat16, query_lens,
+                                                         context_lens, hq=hq, hkv=hkv, d=d)
+    scale = d ** -0.5
+    cpu = CpuPagedAttention()
+    meta = cpu.build_metadata(layout, positions, bs)
+    assert meta.long is None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu.forward(q, k, v, cache, meta, scale)
+    finally:
+        torch.set_num_threads(before)
+    exact = TorchPagedAttention().forward(
+        q.float(), k.float(), v.float(), tuple(c.float() for c in cache),
+        TorchPagedAttention().build_metadata(layout, positions, bs), scale)
+    torch.testing.assert_close(out.float(), exact, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(not (cpu_ops.load() and torch.ops.kiln.has_bf16_attention()),
+                    reason="built without AVX512-BF16")
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
+@pytest.mark.parametrize("query_lens, context_lens", [
     ([17], [0]),  # just past the short-query kernel
     ([300, 33, 70], [0, 129, 1]),  # several tiles; odd lengths; a context not on a block edge
     ([1024], [0]),

@@ -19,7 +19,7 @@ from kiln.models.layers.ops import get_ops
 from kiln.models.loader import load_model
 from kiln.runner.attention import get_attention_backend
 from kiln.runner.batch import BatchInputs, LogitsRows, build_batch
-from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs
+from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs, take_rows
 from kiln.spec.verify import VerifyGroup, verify
 from kiln.structured.bitmask import GrammarRows
 
@@ -151,7 +151,7 @@ class ModelRunner:
         lp_result = [[] for _ in scheduled] if want_logprobs else None
         if not sample_rows:
             return result, lp_result
-        out = verify(self.sampler, logits[torch.tensor(index)], sample_rows, groups,
+        out = verify(self.sampler, take_rows(logits, index), sample_rows, groups,
                      bitmask=grammar_rows.fill(sample_rows))
         for g, owner in enumerate(owners):
             result[owner] = out.token_ids[g]

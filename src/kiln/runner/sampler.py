@@ -114,6 +114,14 @@ class Sampler:
                 logits[i, banned] = float("-inf")
 
 
+def take_rows(t: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """t[index] without the copy when index is every row in order (the usual decode step:
+    at batch 64 a copy of the [64, vocab] fp32 logits costs ~2 ms)."""
+    if len(index) == t.shape[0] and index == list(range(len(index))):
+        return t
+    return t[torch.tensor(index, dtype=torch.long)]
+
+
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.engine.outputs import TokenLogprobs
-from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs
+from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs, take_rows
 
 
 @dataclass
@@ -59,7 +59,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow],
     plain = [i for i, g in enumerate(groups) if not g.drafts]
     if plain:
         index = [groups[i].first_row for i in plain]
-        chosen = sampler.choose(processed[index], [rows[r] for r in index]).tolist()
+        chosen = sampler.choose(take_rows(processed, index), [rows[r] for r in index]).tolist()
         for i, token in zip(plain, chosen, strict=True):
             tokens[i] = [token]
     drafted = [i for i, g in enumerate(groups) if g.drafts]

@@ -232,6 +232,76 @@ inline void axpy_row(float* a, float w, const T* v, int64_t d) {
   for (int64_t x = 0; x < d; ++x) a[x] += w * f32(v[x]);
 }
 
+#if defined(__AVX512F__)
+// Load one byte of every cache line of a sequence's K and V rows (`row` elements per slot, all
+// heads) before computing on them. The loads are independent, so the core keeps many misses in
+// flight; inside the compute loops each line's miss waits behind the work on the line before.
+// Measured at batch 64, 150-token contexts, from DRAM: 1.32 -> 0.70 ms per layer; software
+// prefetch hints to the same lines changed nothing on this CPU.
+template <typename T>
+inline void touch_rows(const T* kc, const T* vc, const int64_t* table, int64_t nk, int64_t row,
+                       int64_t block_size) {
+  int sink = 0;
+  const int64_t line = 64, row_bytes = row * static_cast<int64_t>(sizeof(T));
+  for (int64_t j0 = 0; j0 < nk; j0 += block_size) {
+    const int64_t offset = table[j0 / block_size] * block_size * row_bytes;
+    const int64_t bytes = std::min(block_size, nk - j0) * row_bytes;
+    const auto* k = reinterpret_cast<const char*>(kc) + offset;
+    const auto* v = reinterpret_cast<const char*>(vc) + offset;
+    for (int64_t b = 0; b < bytes; b += line) sink += k[b] + v[b];
+  }
+  asm volatile("" : : "r"(sink));  // keeps the loads from being optimized away
+}
+
+#endif
+
+#if defined(__AVX512BF16__)
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+// Lane i of the result = the sum of a[i]'s 16 lanes (three rounds of pairwise interleaved adds).
+inline __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores[r, 16 chunk + i] = scale * (q[r] . K[i]) for bf16 rows q [rows, D] and n <= 16 keys
+// whose rows start at `keys`, `stride` elements apart: each key row is read contiguously,
+// multiplied pairwise with vdpbf16ps (exact products, fp32 sums), and the 16 keys' partial
+// sums are reduced together.
+template <int D>
+inline void score_keys(const uint16_t* q, int64_t rows, const at::BFloat16* keys,
+                       int64_t stride, int64_t n, float* scores, int64_t ld, __m512 scale) {
+  constexpr int C = D / 32;
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512i qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_si512(q + r * D + c * 32);
+    __m512 a[16];
+    for (int i = 0; i < 16; ++i) {
+      a[i] = _mm512_setzero_ps();
+      if (i < n)
+        for (int c = 0; c < C; ++c)
+          a[i] = _mm512_dpbf16_ps(a[i], as_bh(qv[c]),
+                                  as_bh(_mm512_loadu_si512(keys + i * stride + c * 32)));
+    }
+    _mm512_mask_storeu_ps(scores + r * ld, static_cast<__mmask16>((1u << n) - 1),
+                          _mm512_mul_ps(reduce16(a), scale));
+  }
+}
+#endif
+
 // scores[r, j] = qf[r] . K[j] for every row r and key j of one kv head.
 // For bf16 caches with AVX-512, 16 keys of one block at a time: each gather fetches a pair
 // of adjacent bf16 values from 16 key rows, so the keys sit in the lanes and the rows
@@ -290,18 +360,41 @@ void weighted_values_regs(const float* p, const T* vc, const int64_t* table, flo
   __m512 a[ROWS][CHUNKS];
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < CHUNKS; ++c) a[r][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < nk; ++j) {
-    const int64_t slot = table[j / block_size] * block_size + j % block_size;
-    const T* vrow = vc + (slot * hkv + kvh) * d;
-    __m512 v[CHUNKS];
-    for (int c = 0; c < CHUNKS; ++c) v[c] = load16(vrow + c * 16);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 w = _mm512_set1_ps(p[r * nk + j]);
-      for (int c = 0; c < CHUNKS; ++c) a[r][c] = _mm512_fmadd_ps(w, v[c], a[r][c]);
+  for (int64_t j0 = 0; j0 < nk;) {
+    const int64_t n = std::min<int64_t>({16, block_size - j0 % block_size, nk - j0});
+    const int64_t slot = table[j0 / block_size] * block_size + j0 % block_size;
+    const T* base = vc + (slot * hkv + kvh) * d;
+    for (int64_t i = 0; i < n; ++i) {
+      const T* vrow = base + i * hkv * d;
+      __m512 v[CHUNKS];
+      for (int c = 0; c < CHUNKS; ++c) v[c] = load16(vrow + c * 16);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 w = _mm512_set1_ps(p[r * nk + j0 + i]);
+        for (int c = 0; c < CHUNKS; ++c) a[r][c] = _mm512_fmadd_ps(w, v[c], a[r][c]);
+      }
     }
+    j0 += n;
   }
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(acc + r * d + c * 16, a[r][c]);
+}
+
+template <int CHUNKS, typename T>
+void weighted_values_rows(const float* p, const T* vc, const int64_t* table, float* acc,
+                          int64_t rows, int64_t nk, int64_t kvh, int64_t hkv,
+                          int64_t block_size) {
+  constexpr int64_t d = CHUNKS * 16;
+  int64_t r0 = 0;
+  for (; r0 + 4 <= rows; r0 += 4)
+    weighted_values_regs<4, CHUNKS>(p + r0 * nk, vc, table, acc + r0 * d, nk, kvh, hkv, block_size);
+  const float* pr = p + r0 * nk;
+  float* ar = acc + r0 * d;
+  switch (rows - r0) {  // the rest in one pass over the values
+    case 3: weighted_values_regs<3, CHUNKS>(pr, vc, table, ar, nk, kvh, hkv, block_size); break;
+    case 2: weighted_values_regs<2, CHUNKS>(pr, vc, table, ar, nk, kvh, hkv, block_size); break;
+    case 1: weighted_values_regs<1, CHUNKS>(pr, vc, table, ar, nk, kvh, hkv, block_size); break;
+    default: break;
+  }
 }
 #endif
 
@@ -312,15 +405,8 @@ void weighted_values(const float* p, const T* vc, const int64_t* table, float* a
 #if defined(__AVX512F__)
   if constexpr (!std::is_same_v<T, double>) {
     if (d == 64 || d == 128) {
-      int64_t r0 = 0;
-      for (; r0 + 4 <= rows; r0 += 4) {
-        if (d == 64) weighted_values_regs<4, 4>(p + r0 * nk, vc, table, acc + r0 * d, nk, kvh, hkv, block_size);
-        else weighted_values_regs<4, 8>(p + r0 * nk, vc, table, acc + r0 * d, nk, kvh, hkv, block_size);
-      }
-      for (; r0 < rows; ++r0) {
-        if (d == 64) weighted_values_regs<1, 4>(p + r0 * nk, vc, table, acc + r0 * d, nk, kvh, hkv, block_size);
-        else weighted_values_regs<1, 8>(p + r0 * nk, vc, table, acc + r0 * d, nk, kvh, hkv, block_size);
-      }
+      if (d == 64) weighted_values_rows<4>(p, vc, table, acc, rows, nk, kvh, hkv, block_size);
+      else weighted_values_rows<8>(p, vc, table, acc, rows, nk, kvh, hkv, block_size);
       return;
     }
   }
@@ -355,6 +441,7 @@ void attend_one(const T* qp, const T* kc, const T* vc, T* op, const int64_t* tab
                 int64_t d, int64_t q_row, int64_t q_head, int64_t block_size, float scale,
                 std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t nk = ctx + nq, rows = nq * group, hq = hkv * group;
+  scores.resize(rows * nk);
   qf.resize(rows * d);
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t g = 0; g < group; ++g) {
@@ -362,7 +449,6 @@ void attend_one(const T* qp, const T* kc, const T* vc, T* op, const int64_t* tab
       float* dst = qf.data() + (i * group + g) * d;
       for (int64_t x = 0; x < d; ++x) dst[x] = f32(src[x]) * scale;
     }
-  scores.resize(rows * nk);
   key_scores(qf.data(), kc, table, scores.data(), rows, nk, kvh, hkv, d, block_size);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t j = ctx + 1; j < nk; ++j)  // causal: query i sees keys j <= ctx + i
@@ -378,6 +464,61 @@ void attend_one(const T* qp, const T* kc, const T* vc, T* op, const int64_t* tab
       for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<T>(a[x]);
     }
 }
+
+#if defined(__AVX512BF16__)
+// attend_one for bf16 caches and head dims 64/128, over kv heads [h0, h1) of one sequence at
+// once: each block's cache rows (every head of a slot is one contiguous row) are read in one
+// sweep and the next block's keys and this block's values are prefetched, so a sequence's KV
+// streams from memory instead of arriving head by head in scattered lines.
+template <int D>
+void attend_heads_bf16(const at::BFloat16* qp, const at::BFloat16* kc,
+                       const at::BFloat16* vc, at::BFloat16* op, const int64_t* table,
+                       int64_t t0, int64_t nq, int64_t ctx, int64_t h0, int64_t h1,
+                       int64_t hkv, int64_t group, int64_t q_row, int64_t q_head,
+                       int64_t block_size, float scale, std::vector<uint16_t>& qb,
+                       std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t nk = ctx + nq, rows = nq * group, heads = h1 - h0, stride = hkv * D;
+  qb.resize(heads * rows * D);
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t i = 0; i < nq; ++i)
+      for (int64_t g = 0; g < group; ++g) {
+        const auto* src = reinterpret_cast<const uint16_t*>(
+            qp + (t0 + i) * q_row + (h * group + g) * q_head);
+        std::copy(src, src + D, qb.data() + ((h - h0) * rows + i * group + g) * D);
+      }
+  scores.resize(heads * rows * nk);
+  const __m512 sc = _mm512_set1_ps(scale);
+  touch_rows(kc, vc, table, nk, stride, block_size);
+  for (int64_t j0 = 0; j0 < nk;) {
+    const int64_t n = std::min<int64_t>({16, block_size - j0 % block_size, nk - j0});
+    const int64_t slot = table[j0 / block_size] * block_size + j0 % block_size;
+    for (int64_t h = h0; h < h1; ++h)
+      score_keys<D>(qb.data() + (h - h0) * rows * D, rows, kc + slot * stride + h * D, stride,
+                    n, scores.data() + (h - h0) * rows * nk + j0, nk, sc);
+    j0 += n;
+  }
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sh = scores.data() + h * rows * nk;
+    for (int64_t j = ctx + 1; j < nk; ++j)  // causal: query i sees keys j <= ctx + i
+      for (int64_t i = 0; i < j - ctx; ++i)
+        for (int64_t g = 0; g < group; ++g) sh[(i * group + g) * nk + j] = neg_inf;
+    for (int64_t r = 0; r < rows; ++r) softmax_row(sh + r * nk, nk);
+  }
+  acc.resize(heads * rows * D);
+  for (int64_t h = h0; h < h1; ++h)
+    weighted_values_rows<D / 16>(scores.data() + (h - h0) * rows * nk, vc, table,
+                                 acc.data() + (h - h0) * rows * D, rows, nk, h, hkv,
+                                 block_size);
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t i = 0; i < nq; ++i)
+      for (int64_t g = 0; g < group; ++g) {
+        at::BFloat16* dst = op + (t0 + i) * (hkv * group * D) + (h * group + g) * D;
+        const float* a = acc.data() + ((h - h0) * rows + i * group + g) * D;
+        for (int64_t x = 0; x < D; ++x) dst[x] = static_cast<at::BFloat16>(a[x]);
+      }
+}
+#endif
 
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_table,
@@ -395,6 +536,26 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   const int64_t *qsp = qs.data_ptr<int64_t>(), *qlp = ql.data_ptr<int64_t>();
   const int64_t* cxp = ctx.data_ptr<int64_t>();
   const int64_t bt_width = bt.size(1);
+#if defined(__AVX512BF16__)
+  if (q.scalar_type() == at::kBFloat16 && (d == 64 || d == 128)) {
+    // a job per sequence (all its heads) when there are enough to share out, else per head
+    const int64_t per_job = num_seqs >= 2 * at::get_num_threads() ? hkv : 1;
+    const int64_t jobs_per_seq = hkv / per_job;
+    const auto f = d == 64 ? &attend_heads_bf16<64> : &attend_heads_bf16<128>;
+    at::parallel_for(0, num_seqs * jobs_per_seq, 1, [&](int64_t begin, int64_t end) {
+      std::vector<uint16_t> qb;
+      std::vector<float> scores, acc;
+      for (int64_t job = begin; job < end; ++job) {
+        const int64_t s = job / jobs_per_seq, h0 = job % jobs_per_seq * per_job;
+        f(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+          v_cache.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), btp + s * bt_width,
+          qsp[s], qlp[s], cxp[s], h0, h0 + per_job, hkv, group, q.stride(0), q.stride(1),
+          block_size, static_cast<float>(scale), qb, scores, acc);
+      }
+    });
+    return;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attn", [&] {
     at::parallel_for(0, num_seqs * hkv, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> qf, scores, acc;
@@ -422,7 +583,6 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
 // in fp32 (register tile 4 rows x 64 dims) divided by the row's sum. Tiles are handed out
 // longest first and dynamically, so the causal imbalance evens out across threads.
 #if defined(__AVX512BF16__)
-inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
 template <int D>
 void pack_keys(const at::BFloat16* kc, const int64_t* table, int64_t nk, int64_t kvh,
