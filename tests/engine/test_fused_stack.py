@@ -82,3 +82,20 @@ def test_reference_ops_never_fuse(tiny_ckpt):
     assert llama.stack_weights(llm.engine.runner.model) == {}
     fp32 = LLM(path, dtype="float32", kv_cache_memory=16 << 20, num_threads=1)
     assert llama.stack_weights(fp32.engine.runner.model) == {}
+
+
+def test_int8_weights_fuse_on_decode_steps_only(tiny_ckpt, monkeypatch):
+    """Weight-only int8 layers run kiln's int8 GEMV inside the stack on decode-sized steps
+    (prefill steps go layer by layer) with the same bits as the per-layer path."""
+    fused_llm = tiny_llm(tiny_ckpt, quantization="int8")
+    if not llama.stack_weights(fused_llm.engine.runner.model):
+        pytest.skip("this machine's model is not on the fast path")
+    layered_llm = tiny_llm(tiny_ckpt, quantization="int8")
+    layered_llm.engine.runner.model._stack = {}
+    fused_calls, layer_calls = [], []
+    fused = run(fused_llm, monkeypatch, fused_calls)
+    layered = run(layered_llm, monkeypatch, layer_calls)
+    assert layer_calls == [] and fused_calls
+    assert max(fused_calls) <= llama.stack_weights(
+        fused_llm.engine.runner.model)["int8_max_tokens"]
+    assert fused == layered

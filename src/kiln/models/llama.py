@@ -201,6 +201,8 @@ class LlamaForCausalLM(nn.Module):
             return False
         if meta.long is not None and not self._stack["long_ok"]:
             return False
+        if self._stack["int8"] and meta.num_tokens > self._stack["int8_max_tokens"]:
+            return False
         return not (global_hooks() or any(m._forward_hooks or m._forward_pre_hooks
                                           for m in self._stack["hookable"]))
 
@@ -213,31 +215,57 @@ def global_hooks() -> bool:
 
 def stack_weights(model: LlamaForCausalLM) -> dict:
     """The per-layer tensors `kiln::llama_stack` takes, or {} when the model is not on the
-    fast path throughout (reference ops, another attention backend, a quantized or biased
-    linear, q/k norms)."""
-    from kiln.models.layers.onednn import OneDNNLinearMethod
+    fast path throughout (reference ops, another attention backend, q/k norms, a linear with a
+    bias or in a format other than oneDNN bf16 and weight-only int8)."""
     from kiln.runner.attention import CpuPagedAttention
 
     layers = list(model.model.layers)
     attn = [layer.self_attn for layer in layers]
     mlp = [layer.mlp for layer in layers]
-    linears = [m for a, f in zip(attn, mlp, strict=True)
-               for m in (a.qkv_proj, a.o_proj, f.gate_up_proj, f.down_proj)]
-    if (model.ops.name != "kernels" or model.arch.qk_norm
-            or not all(isinstance(a.backend, CpuPagedAttention) for a in attn)
-            or not all(isinstance(m.method, OneDNNLinearMethod) and m.bias is None
-                       and hasattr(m, "packed_weight") for m in linears)):
+    projections = {"qkv": [a.qkv_proj for a in attn], "o": [a.o_proj for a in attn],
+                   "gate_up": [f.gate_up_proj for f in mlp], "down": [f.down_proj for f in mlp]}
+    linears = [m for ms in projections.values() for m in ms]
+    stored = [stack_linear_tensors(m) for m in linears]
+    if (model.ops.name != "kernels" or model.arch.qk_norm or None in stored
+            or not all(isinstance(a.backend, CpuPagedAttention) for a in attn)):
         return {}
-    return {
+    tensors = dict(zip(linears, stored, strict=True))
+    out = {name: [tensors[m][0] for m in ms] for name, ms in projections.items()}
+    int8 = any(t[1].numel() for t in stored)
+    for name, ms in projections.items():  # empty lists: every layer bf16
+        out[f"{name}_scale"] = [tensors[m][1] for m in ms] if int8 else []
+    from kiln.quant.kernels import INT8_GEMV_MAX_TOKENS
+
+    return out | {
         "input_norm": [layer.input_layernorm.weight for layer in layers],
-        "qkv": [a.qkv_proj.packed_weight for a in attn],
-        "o": [a.o_proj.packed_weight for a in attn],
         "post_norm": [layer.post_attention_layernorm.weight for layer in layers],
-        "gate_up": [f.gate_up_proj.packed_weight for f in mlp],
-        "down": [f.down_proj.packed_weight for f in mlp],
         "hookable": layers + attn + mlp + linears,
         "long_ok": attn[0].backend.bf16_prefill and model.arch.head_dim in (64, 128),
+        "int8": int8,  # int8_gemv serves only decode-sized steps
+        "int8_max_tokens": INT8_GEMV_MAX_TOKENS,
     }
+
+
+def stack_linear_tensors(m: Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(weight, scale) of one linear as `kiln::llama_stack` reads it: a oneDNN-packed bf16
+    weight with an empty scale, or int8 weight-only rows with their scales; None otherwise."""
+    from kiln.models.layers.onednn import OneDNNLinearMethod
+
+    if m.bias is not None:
+        return None
+    if isinstance(m.method, OneDNNLinearMethod) and hasattr(m, "packed_weight"):
+        return m.packed_weight, _NO_SCALE
+    try:
+        from kiln.quant.linear import Int8LinearMethod
+    except ImportError:  # pragma: no cover - kiln.quant ships with kiln
+        return None
+    if (isinstance(m.method, Int8LinearMethod) and not m.method.act_quant
+            and m.weight.dtype == torch.int8):
+        return m.weight, m.weight_scale
+    return None
+
+
+_NO_SCALE = torch.empty(0)
 
 
 def fused_stack(model: LlamaForCausalLM, x, positions, kv_caches, meta) -> torch.Tensor:
@@ -253,7 +281,8 @@ def fused_stack(model: LlamaForCausalLM, x, positions, kv_caches, meta) -> torch
     norm = model.model.norm
     return torch.ops.kiln.llama_stack(
         x, positions, w["input_norm"], w["qkv"], w["o"], w["post_norm"], w["gate_up"],
-        w["down"], norm.weight, model.rotary.cos32, model.rotary.sin32,
+        w["down"], w["qkv_scale"], w["o_scale"], w["gate_up_scale"], w["down_scale"],
+        norm.weight, model.rotary.cos32, model.rotary.sin32,
         [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping, *short_args,
         *long_args, meta.block_size, a.head_dim ** -0.5, norm.eps, a.num_heads,
         a.num_kv_heads, a.head_dim)

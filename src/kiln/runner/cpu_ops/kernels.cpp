@@ -936,8 +936,9 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // kiln's fast path (fused norms, oneDNN-prepacked bf16 linears, in-place rotary, the cpu
 // attention backend), for every layer, without returning to Python in between: at batch 1 the
 // ~20 Python-level calls per layer cost more than the layer's norms, rotary and attention
-// together. Used only where the model has no hooks, biases or q/k norms (LlamaForCausalLM
-// decides); its result is bit-identical to the per-layer path, which the tests check.
+// together. Linears are oneDNN bf16 or kiln's int8 GEMV (decode-sized steps). Used only where
+// the model has no hooks, biases or q/k norms (LlamaForCausalLM decides); its result is
+// bit-identical to the per-layer path, which the tests check.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
   static auto op = c10::Dispatcher::singleton()
       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -947,10 +948,20 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
   return op.call(x, packed, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), "");
 }
 
+// Layer l of one projection: int8 weights with per-row scales through int8_gemv where the
+// layer has a scale, else a oneDNN-prepacked bf16 weight.
+at::Tensor stack_linear(const at::Tensor& x, at::TensorList weights, at::TensorList scales,
+                        int64_t l) {
+  if (!scales.empty() && scales[l].numel() > 0) return int8_gemv(x, weights[l], scales[l]);
+  return onednn_linear(x, weights[l]);
+}
+
 at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
                        at::TensorList input_norm, at::TensorList qkv_proj,
                        at::TensorList o_proj, at::TensorList post_norm,
                        at::TensorList gate_up_proj, at::TensorList down_proj,
+                       at::TensorList qkv_scale, at::TensorList o_scale,
+                       at::TensorList gate_up_scale, at::TensorList down_scale,
                        const at::Tensor& final_norm, const at::Tensor& cos32,
                        const at::Tensor& sin32, at::TensorList k_caches,
                        at::TensorList v_caches, const at::Tensor& slot_mapping,
@@ -976,7 +987,7 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
     } else {
       h = add_rms_norm(x, residual, input_norm[l], eps);
     }
-    at::Tensor qkv = onednn_linear(h, qkv_proj[l]);
+    at::Tensor qkv = stack_linear(h, qkv_proj, qkv_scale, l);
     rotary_inplace(qkv, positions, cos32, sin32, num_heads, num_kv_heads, head_dim);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -991,8 +1002,9 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
     if (long_table.has_value())
       prefill_attention(attn, q, k_cache, v_cache, *long_table, *long_start, *long_lens,
                         *long_context, block_size, scale);
-    h = add_rms_norm(onednn_linear(attn, o_proj[l]), residual, post_norm[l], eps);
-    x = onednn_linear(silu_mul(onednn_linear(h, gate_up_proj[l])), down_proj[l]);
+    h = add_rms_norm(stack_linear(attn, o_proj, o_scale, l), residual, post_norm[l], eps);
+    x = stack_linear(silu_mul(stack_linear(h, gate_up_proj, gate_up_scale, l)), down_proj,
+                     down_scale, l);
   }
   return add_rms_norm(x, residual, final_norm, eps);
 }
@@ -1018,6 +1030,7 @@ TORCH_LIBRARY(kiln, m) {
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor", &int8_gemv);
   m.def("llama_stack(Tensor x, Tensor positions, Tensor[] input_norm, Tensor[] qkv_proj, "
         "Tensor[] o_proj, Tensor[] post_norm, Tensor[] gate_up_proj, Tensor[] down_proj, "
+        "Tensor[] qkv_scale, Tensor[] o_scale, Tensor[] gate_up_scale, Tensor[] down_scale, "
         "Tensor final_norm, Tensor cos32, Tensor sin32, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor? short_table, Tensor? short_start, Tensor? short_lens, "
         "Tensor? short_context, Tensor? long_table, Tensor? long_start, Tensor? long_lens, "
