@@ -172,3 +172,65 @@ def test_fake_quantize_is_per_row(name):
     x = torch.randn(4, IN, generator=gen(3))
     x[2] *= 1000
     assert torch.equal(fmt.fake_quantize(x)[:1], fmt.fake_quantize(x[:1]))
+
+
+# -- searched grids (WeightFormat.fit) --------------------------------------------------------
+
+SEARCHED = [*INT4_NAMES, "nvfp4", "mxfp4"]
+
+
+def heavy_tailed(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """Gaussian weights with a few large outliers, the case absmax scales handle worst."""
+    w = torch.randn(rows, cols, generator=g)
+    outliers = torch.rand(rows, cols, generator=g) < 0.01
+    return torch.where(outliers, w * 8, w)
+
+
+@pytest.mark.parametrize("name", SEARCHED)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("in_features", [IN, 584])
+def test_fit_never_has_a_larger_group_error_than_absmax(name, weighted, in_features):
+    fmt, g = get_format(name), gen(4)
+    w = heavy_tailed(32, in_features, g)
+    importance = torch.rand(in_features, generator=g).pow(4) if weighted else None
+    fitted = fmt.group_error(w, fmt.fit(w, importance), importance)
+    absmax = fmt.group_error(w, fmt.params(w), importance)
+    assert fitted.shape == absmax.shape == (32, fmt.groups(in_features))
+    assert (fitted <= absmax).all()
+    assert fitted.sum() < 0.95 * absmax.sum()
+
+
+@pytest.mark.parametrize("name", SEARCHED)
+def test_fitted_grids_are_stored_exactly(name):
+    """A searched grid is still the format's: its tensors have the declared dtypes and
+    shapes, and the stored weight reads back as the values rounded onto it."""
+    fmt = get_format(name)
+    w = heavy_tailed(OUT, IN, gen(5))
+    grid = fmt.fit(w)
+    packed = fmt.quantize(w, grid)
+    for t in fmt.storage(OUT, IN):
+        assert packed[t.name].dtype == t.dtype
+        assert packed[t.name].shape == ((1,) if t.cols is None else (OUT, t.cols))
+    assert torch.equal(fmt.dequantize(packed), fmt.snap(w, grid))
+
+
+def test_nvfp4_fit_keeps_the_global_scale_and_shrinks_block_scales():
+    fmt = get_format("nvfp4")
+    w = heavy_tailed(OUT, IN, gen(6))
+    fitted, absmax = fmt.fit(w), fmt.params(w)
+    assert torch.equal(fitted["weight_global_scale"], absmax["weight_global_scale"])
+    scale, absmax_scale = (fp8_e4m3_decode(p["weight_scale"]) for p in (fitted, absmax))
+    assert (scale <= absmax_scale).all() and (scale < absmax_scale).any()
+
+
+def test_mxfp4_fit_moves_exponents_by_at_most_one():
+    fmt = get_format("mxfp4")
+    w = heavy_tailed(OUT, IN, gen(7))
+    fitted, absmax = (p["weight_scale"].int() for p in (fmt.fit(w), fmt.params(w)))
+    assert (fitted - absmax).abs().max() <= 1 and (fitted != absmax).any()
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_formats_without_shrinks_fit_their_absmax_grid(name):
+    fmt, w = get_format(name), heavy_tailed(OUT, IN, gen(8))
+    assert torch.equal(fmt.fit(w)["weight_scale"], fmt.params(w)["weight_scale"])

@@ -24,6 +24,7 @@ from kiln.quant.pipeline import (
     DEFAULT_MIXED_FORMATS,
     METHODS,
     MIXED,
+    SCALES,
     SCHEMES,
 )
 
@@ -52,6 +53,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="mixed: candidate formats per layer ('dense' keeps a layer as is)")
     p.add_argument("--method", choices=METHODS, default="gptq",
                    help="gptq: calibrated rounding (error feedback); rtn: round to nearest")
+    p.add_argument("--scales", choices=SCALES, default=SCALES[0],
+                   help="gptq: each group's grid searched for the least error weighted by the "
+                        "inputs (mse), or spanning the group's min and max (absmax)")
+    p.add_argument("--no-act-order", action="store_true",
+                   help="gptq: round inputs in their order, not the most active first")
     p.add_argument("--max-evals", type=int, default=40,
                    help="mixed: end-to-end evaluations the search may spend")
     _add_text_args(p, windows=8, help_windows="held-out windows for the closing report")
@@ -61,7 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="mixed: windows (of the calibration ones) for per-layer sensitivity")
     p.add_argument("--sensitivity-from", type=Path, default=None, metavar="REPORT",
                    help="mixed: reuse the per-layer table of an earlier run's "
-                        f"{REPORT_FILE} (same model, text and --method)")
+                        f"{REPORT_FILE} (same model, text and rounding options)")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out report")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.set_defaults(func=run_quantize)
@@ -115,15 +121,19 @@ def run_quantize(args: argparse.Namespace) -> int:
     spec = TextSpec(args.calib_windows, args.window_tokens, args.calib)
     with console.status(f"{args.method}: reading calibration activations"):
         weights, quantizer = ref.quantizers(args.method,
-                                            ref.windows(spec, Split.CALIBRATION, 0, 2))
-    report: dict = {"model": str(src), "scheme": args.scheme, "method": args.method}
+                                            ref.windows(spec, Split.CALIBRATION, 0, 2),
+                                            args.scales, not args.no_act_order)
+    gptq = {"scales": args.scales, "act_order": not args.no_act_order}
+    report: dict = {"model": str(src), "scheme": args.scheme, "method": args.method,
+                    **(gptq if args.method == "gptq" else {})}
     if args.scheme == MIXED:
         select = ref.windows(spec, Split.CALIBRATION, 1, 2)
         plan, plans = _select_mixed(args, ref, select, cost, weights, console, report)
     else:
         plan = uniform_plan(ref.shapes(), scheme_format(args.scheme))
         plans = {args.scheme: plan}
-    _write(src, args.out, plan, args.scheme, cost, quantizer, console, method=args.method)
+    _write(src, args.out, plan, args.scheme, cost, quantizer, console, method=args.method,
+           **(gptq if args.method == "gptq" else {}))
     if not args.no_eval:
         _held_out_report(args, ref, cost, weights, plans, console, report)
     from kiln.quant.report import write_json

@@ -24,7 +24,16 @@ Quantizing is two steps, so calibrated rounding (kiln.quant.gptq) can fix a grou
 then round its columns one at a time: `params(w)` chooses the grid of each group (scales,
 minimums, global scale: every stored tensor but the codes), `codes(w, params)` rounds onto it.
 `snap(w, params)` is the rounded value itself (no packing, so any number of columns), and
-`quantize(w, params)` the stored tensors. Params come from each group's min and max only.
+`quantize(w, params)` the stored tensors.
+
+`params(w)` is the absmax rule: each group's grid spans its min and max exactly. `fit(w,
+importance)` searches instead (the 4-bit formats; clipping search, as AWQ's and GPTQ's "mse"
+options do): each group's range is shrunk by each factor of the format's `shrinks`, and the
+group keeps the grid whose rounding error, weighted per input by `importance` (the mean
+squared input activation: GPTQ passes diag H), is smallest. The outliers of a group then no
+longer stretch the grid that all its other values round onto. Every candidate is made by
+`params`, so it is representable (fp8 / e8m0 scales) by construction, and absmax (shrink 1)
+is always a candidate: the fitted grid never has the larger weighted error.
 """
 
 from __future__ import annotations
@@ -62,15 +71,17 @@ class WeightFormat(ABC):
     per_channel: bool = False   # one scale per output row (group_size is then unused)
     packs_nibbles: bool = False  # two 4-bit codes per byte: in_features must be even
     code_name: str = "weight_packed"  # the stored tensor holding the codes
+    shrinks: tuple[float, ...] = ()  # range factors `fit` tries besides 1 (none: absmax only)
 
     @abstractmethod
     def storage(self, out_features: int, in_features: int) -> list[StoredTensor]:
         """The tensors `quantize` returns for a [out, in] weight, in a fixed order."""
 
     @abstractmethod
-    def params(self, w: torch.Tensor) -> Packed:
+    def params(self, w: torch.Tensor, shrink: float = 1.0) -> Packed:
         """Float W [out, cols] -> the grid of each of its groups: every stored tensor but the
-        codes (per-group tensors [out, groups], per-channel [out, 1], per-tensor [1])."""
+        codes (per-group tensors [out, groups], per-channel [out, 1], per-tensor [1]).
+        The grid spans each group's range times `shrink` (1: its min and max)."""
 
     @abstractmethod
     def codes(self, w: torch.Tensor, params: Packed) -> torch.Tensor:
@@ -97,6 +108,36 @@ class WeightFormat(ABC):
     def snap(self, w: torch.Tensor, params: Packed) -> torch.Tensor:
         """W [out, cols] rounded onto `params`' grid, as float32 values (any cols)."""
         return self.decode(self.codes(w.float(), params), params)
+
+    def fit(self, w: torch.Tensor, importance: torch.Tensor | None = None,
+            **fixed) -> Packed:
+        """The grid of each group of W [out, cols] with the least rounding error, weighted by
+        `importance` [cols] (None: unweighted), among `params` at shrink 1 and `shrinks`.
+        `fixed`: per-tensor parts of the grid, passed to `params` as they are."""
+        w = w.float()
+        best = self.params(w, **fixed)
+        if not self.shrinks:
+            return best
+        error = self.group_error(w, best, importance)  # [out, groups]
+        for shrink in self.shrinks:
+            candidate = self.params(w, shrink=shrink, **fixed)
+            candidate_error = self.group_error(w, candidate, importance)
+            better = candidate_error < error
+            error = torch.where(better, candidate_error, error)
+            best = {k: torch.where(better, v, best[k]) if v.dim() == 2 else v
+                    for k, v in candidate.items()}  # per-tensor parts (1-dim) are the same
+        return best
+
+    def group_error(self, w: torch.Tensor, params: Packed,
+                    importance: torch.Tensor | None = None) -> torch.Tensor:
+        """Squared rounding error of W [out, cols] on `params`, summed per group -> [out,
+        groups], each input's term weighted by `importance` [cols] (None: all 1)."""
+        err = (self.snap(w, params) - w).pow(2)  # [out, cols]
+        if importance is not None:
+            err = err * importance.float()
+        width = err.shape[1] if self.per_channel else self.group_size
+        err = torch.nn.functional.pad(err, (0, -err.shape[1] % width))  # short group: 0s
+        return err.reshape(err.shape[0], -1, width).sum(dim=2)
 
     def supports(self, in_features: int) -> bool:
         """Whether a layer with this many inputs can be stored."""
@@ -171,8 +212,8 @@ class Int8Format(WeightFormat):
         return [StoredTensor("weight", torch.int8, in_features),
                 StoredTensor("weight_scale", torch.float32, 1)]
 
-    def params(self, w):
-        return {"weight_scale": w.float().abs().amax(dim=1, keepdim=True) / 127}  # [o, 1]
+    def params(self, w, shrink=1.0):
+        return {"weight_scale": w.float().abs().amax(dim=1, keepdim=True) * shrink / 127}
 
     def codes(self, w, params):
         q = torch.round(w / safe_divisor(params["weight_scale"]))
@@ -193,8 +234,9 @@ class Fp8Format(WeightFormat):
         return [StoredTensor("weight", torch.float8_e4m3fn, in_features),
                 StoredTensor("weight_scale", torch.float32, 1)]
 
-    def params(self, w):
-        return {"weight_scale": w.float().abs().amax(dim=1, keepdim=True) / FP8_E4M3_MAX}
+    def params(self, w, shrink=1.0):
+        amax = w.float().abs().amax(dim=1, keepdim=True)  # [o, 1]
+        return {"weight_scale": amax * shrink / FP8_E4M3_MAX}
 
     def codes(self, w, params):
         return to_fp8_e4m3(w / safe_divisor(params["weight_scale"]))
@@ -207,6 +249,7 @@ class Int4Format(WeightFormat):
     """Group-wise int4 with fp16 scales; symmetric (n - 8) * s or asymmetric n * s + min."""
 
     packs_nibbles = True
+    shrinks = tuple(1 - 0.02 * k for k in range(1, 21))  # 0.98 .. 0.60
 
     def __init__(self, group_size: int, symmetric: bool):
         self.group_size = group_size
@@ -221,12 +264,13 @@ class Int4Format(WeightFormat):
             tensors.append(StoredTensor("weight_min", torch.float16, groups))
         return tensors
 
-    def params(self, w):
+    def params(self, w, shrink=1.0):
         g = grouped(w.float(), self.group_size)  # [o, ceil(i/G), G]
         if self.symmetric:
-            return {"weight_scale": (g.abs().amax(dim=2) / 7).half()}  # [o, ceil(i/G)]
+            return {"weight_scale": (g.abs().amax(dim=2) * shrink / 7).half()}  # [o, ceil(i/G)]
         lo, hi = g.amin(dim=2), g.amax(dim=2)
-        return {"weight_scale": ((hi - lo) / 15).half(), "weight_min": lo.half()}
+        span = (hi - lo) * shrink  # shrunk about the group's midpoint
+        return {"weight_scale": (span / 15).half(), "weight_min": ((hi + lo - span) / 2).half()}
 
     def codes(self, w, params):
         g = grouped(w, self.group_size)  # [o, ceil(i/G), G]

@@ -11,6 +11,10 @@ NVFP4 follows compressed-tensors' convention: the global scale is a divisor chos
 largest block scale fills the fp8 range, g = (448 * 6) / max|W|, and s_b = fp8(max|block| / 6 * g).
 MXFP4 follows the OCP MX v1.0 spec: the shared exponent is floor(log2 max|block|) - 2 (2 is
 E2M1's largest exponent), so a block's largest values may saturate at 6.
+
+Those are the absmax rules (`params`); `fit` (kiln.quant.formats) searches around them: NVFP4
+block scales from 0.98 to 0.60 of max|block| / 6, each rounded to fp8 as stored, and MXFP4
+exponents one above and one below the OCP one.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class NvFp4Format(WeightFormat):
     name = "nvfp4"
     group_size = 16
     packs_nibbles = True
+    shrinks = tuple(1 - 0.02 * k for k in range(1, 21))  # 0.98 .. 0.60; fp8 merges neighbours
 
     def storage(self, out_features, in_features):
         return [StoredTensor("weight_packed", torch.uint8, in_features // 2),
@@ -61,13 +66,13 @@ class NvFp4Format(WeightFormat):
         amax = amax.float()
         return torch.where(amax > 0, FP8_E4M3_MAX * E2M1_MAX / safe_divisor(amax), 1.0)
 
-    def params(self, w, global_scale: torch.Tensor | None = None):
+    def params(self, w, shrink=1.0, global_scale: torch.Tensor | None = None):
         """W [o, cols] -> block scales [o, B] and the global scale: `global_scale` ([1], or
-        [o] / [o, 1] per row), default one scalar for all of W."""
+        [o] / [o, 1] per row), default one scalar for all of W (from the unshrunk max|W|)."""
         w = w.float()
         g = self.global_scale(w.abs().amax()) if global_scale is None else global_scale
         g = g.float().reshape(-1, 1, 1)  # broadcasts as one scalar, or one per row
-        amax = grouped(w, 16).abs().amax(dim=2, keepdim=True)  # [o, B, 1]
+        amax = grouped(w, 16).abs().amax(dim=2, keepdim=True) * shrink  # [o, B, 1]
         return {"weight_scale": to_fp8_e4m3(amax / E2M1_MAX * g).squeeze(2),  # [o, B]
                 "weight_global_scale": g.reshape(-1)}                          # [1] or [o]
 
@@ -95,13 +100,14 @@ class MxFp4Format(WeightFormat):
     name = "mxfp4"
     group_size = 32
     packs_nibbles = True
+    shrinks = (2.0, 0.5)  # the exponents either side of the OCP one
 
     def storage(self, out_features, in_features):
         return [StoredTensor("weight_packed", torch.uint8, in_features // 2),
                 StoredTensor("weight_scale", torch.uint8, self.groups(in_features))]
 
-    def params(self, w):
-        amax = grouped(w.float(), 32).abs().amax(dim=2)  # [o, B]
+    def params(self, w, shrink=1.0):
+        amax = grouped(w.float(), 32).abs().amax(dim=2) * shrink  # [o, B]
         return {"weight_scale": e8m0_encode_floor(amax, elem_emax=2)}
 
     def codes(self, w, params):

@@ -16,7 +16,7 @@ from kiln.quant.calibration import Split, TextSpec, token_windows
 from kiln.quant.checkpoint import DENSE, Quantizer, round_to_nearest
 from kiln.quant.evaluate import KLProbe, effective_weight, quantized_weight
 from kiln.quant.formats import available_formats
-from kiln.quant.gptq import GptqQuantizer
+from kiln.quant.gptq import GptqQuantizer, Scales
 from kiln.quant.report import SchemeRow
 from kiln.quant.select import CandidateWeights, LayerShape, Plan, PlanCost
 
@@ -27,6 +27,7 @@ MIXED = "mixed"
 DEFAULT_MIXED_FORMATS = ("int4-g128-sym", "mxfp4", "nvfp4", "int8", DENSE)
 DEFAULT_BUDGET_FORMAT = "nvfp4"  # mixed, no budget given: the size of uniform NVFP4
 METHODS = ("gptq", "rtn")  # how weights are rounded (see Reference.quantizers)
+SCALES = tuple(s.value for s in Scales)  # how GPTQ chooses each group's grid (first: default)
 
 
 def bits_budget(value: str | None, cost: PlanCost) -> float:
@@ -74,11 +75,13 @@ class Reference:
                 parts: int = 1) -> torch.Tensor:
         return token_windows(self.tokenizer, spec, split, part, parts)
 
-    def quantizers(self, method: str, calib: torch.Tensor | None = None,
-                   ) -> tuple[CandidateWeights, Quantizer]:
+    def quantizers(self, method: str, calib: torch.Tensor | None = None, scales: str = "mse",
+                   act_order: bool = True) -> tuple[CandidateWeights, Quantizer]:
         """How layers get rounded, for measuring (float weights) and for the checkpoint
-        (stored tensors): "rtn" rounds to nearest; "gptq" rounds with error feedback
-        weighted by the layers' inputs on `calib` windows (kiln.quant.gptq)."""
+        (stored tensors): "rtn" rounds to nearest on absmax grids, as loading a dense model
+        quantized does; "gptq" rounds with error feedback weighted by the layers' inputs on
+        `calib` windows, on grids chosen by `scales` (kiln.quant.gptq.Scales), the most
+        active inputs first if `act_order`."""
         if method == "rtn":
             weights = CandidateWeights(lambda n, f: quantized_weight(self.linears[n], f))
             return weights, round_to_nearest
@@ -87,7 +90,8 @@ class Reference:
         if calib is None:
             raise ValueError("gptq needs calibration windows")
         layers = {n: self.linears[n] for n in (s.name for s in self.shapes())}
-        gptq = GptqQuantizer(self.model, calib, layers)
+        gptq = GptqQuantizer(self.model, calib, layers, scales=Scales(scales),
+                             act_order=act_order)
         return (CandidateWeights(gptq.weight),
                 gptq.checkpoint_quantizer(type(self.model).packed_modules))
 
