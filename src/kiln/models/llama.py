@@ -9,6 +9,7 @@ projections (`qkv_proj`, `gate_up_proj`), which the loader fills shard by shard.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from kiln.models.layers.norm import RMSNorm
 from kiln.models.layers.ops import TorchOps
 from kiln.models.layers.rotary import RotaryEmbedding
 from kiln.runner.attention import AttentionBackend
+
+log = logging.getLogger(__name__)
 
 # HF checkpoint module name -> (fused kiln module, shard index)
 PACKED_MODULES = {
@@ -197,6 +200,9 @@ class LlamaForCausalLM(nn.Module):
         every chunk's attention within the C++ kernels."""
         if self.__dict__.get("_stack") is None:
             self._stack = stack_weights(self)
+            if not self._stack and self.ops.name == "kernels":
+                log.info("decoder layers run one call each (a layer is off the fused path: "
+                         "see kiln.models.llama.stack_weights)")
         if not self._stack:
             return False
         if meta.long is not None and not self._stack["long_ok"]:

@@ -15,6 +15,7 @@ by all layers.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -22,6 +23,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -209,6 +212,9 @@ class CpuPagedAttention:
         if not cpu_ops.load():
             raise RuntimeError("the cpu attention backend needs the kiln CPU kernels")
         self.bf16_prefill = bool(torch.ops.kiln.has_bf16_attention())
+        if not self.bf16_prefill:
+            log.info("kiln CPU kernels built without AVX512-BF16: long prefill chunks use "
+                     "torch's SDPA")
 
     def build_metadata(self, layout: SeqLayout, positions: torch.Tensor,
                        block_size: int) -> CpuAttentionMetadata:
