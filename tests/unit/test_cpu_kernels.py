@@ -106,8 +106,19 @@ def test_cpu_backend_matches_torch_backend(dtype, query_lens, context_lens):
     assert torch.equal(cache[0][slots], k) and torch.equal(cache[1][slots], v)
 
 
-@pytest.mark.skipif(not (cpu_ops.load() and torch.ops.kiln.has_bf16_attention()),
-                    reason="built without AVX512-BF16")
+needs_bf16_dot = pytest.mark.skipif(
+    not (cpu_ops.load() and torch.ops.kiln.has_bf16_attention()),
+    reason="built without AVX512-BF16")
+
+
+def exact_attention(layout, positions, cache, q, k, v, bs, scale):
+    """fp32 reference attention of the same (bf16) inputs, on a copy of the cache."""
+    ref = TorchPagedAttention()
+    return ref.forward(q.float(), k.float(), v.float(), tuple(c.float() for c in cache),
+                       ref.build_metadata(layout, positions, bs), scale)
+
+
+@needs_bf16_dot
 @pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
 @pytest.mark.parametrize("query_lens, context_lens", [
     ([1], [37]),  # one sequence: a job per kv head
@@ -131,14 +142,11 @@ def test_bf16_decode_kernel_matches_fp32_attention(hq, hkv, d, query_lens, conte
         out = cpu.forward(q, k, v, cache, meta, scale)
     finally:
         torch.set_num_threads(before)
-    exact = TorchPagedAttention().forward(
-        q.float(), k.float(), v.float(), tuple(c.float() for c in cache),
-        TorchPagedAttention().build_metadata(layout, positions, bs), scale)
+    exact = exact_attention(layout, positions, cache, q, k, v, bs, scale)
     torch.testing.assert_close(out.float(), exact, atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.skipif(not (cpu_ops.load() and torch.ops.kiln.has_bf16_attention()),
-                    reason="built without AVX512-BF16")
+@needs_bf16_dot
 @pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
 @pytest.mark.parametrize("query_lens, context_lens", [
     ([17], [0]),  # just past the short-query kernel
@@ -157,9 +165,7 @@ def test_bf16_prefill_kernel_matches_fp32_attention(hq, hkv, d, query_lens, cont
     out = cpu.forward(q, k, v, cache, meta, scale)
     cpu.bf16_prefill = False  # the SDPA path on the same inputs
     sdpa = cpu.forward(q, k, v, cache, meta, scale)
-    exact = TorchPagedAttention().forward(
-        q.float(), k.float(), v.float(), tuple(c.float() for c in cache),
-        TorchPagedAttention().build_metadata(layout, positions, bs), scale)
+    exact = exact_attention(layout, positions, cache, q, k, v, bs, scale)
     err = (out.float() - exact).abs().max().item()
     assert err < 2e-2
     assert err <= 2 * (sdpa.float() - exact).abs().max().item() + 1e-3
