@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.cluster.conftest import wait_for, worker_metric
-from tests.serve.conftest import free_port, start_server
+from tests.serve.conftest import free_port_pair, start_server
 
 
 def join(model: str, gateway: str, worker_id: str, log, token: str) -> subprocess.Popen:
@@ -24,7 +24,7 @@ def join(model: str, gateway: str, worker_id: str, log, token: str) -> subproces
 
 @pytest.fixture(scope="module")
 def gateway(llama_path, tmp_path_factory):
-    port = free_port()
+    port = free_port_pair()
     address = f"tcp://127.0.0.1:{port}"
     os.environ["KILN_CLUSTER_TOKEN"] = "s3cret"  # the gateway reads it at start
     try:

@@ -101,6 +101,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A port p with p + 1 free as well (a cluster address: its KV events bind p + 1)."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two adjacent free ports")
+
+
 def start_server(model: str, log_dir: Path, *flags: str, api_key: str | None = None,
                  step_delay_s: float = STEP_DELAY_S, wait: bool = True) -> ServerProcess:
     """`kiln serve` on a free port; each engine step takes `step_delay_s` longer (so long

@@ -19,6 +19,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
 
 SCENARIOS = ("decode", "throughput", "prefix", "zero-hit")
 BANDWIDTH_GBPS = 33.0  # what two threads read on this machine class (shared/peers/README.md)
@@ -133,9 +137,7 @@ def scenario_decode(report, llm, hf, vocab, runs, _n):
     peer = median_of(runs, lambda: hf.tokens_per_s(prompt, 128)) if hf else None
     report.rows.append(Row("decode", "batch-1 decode", kiln, peer, "HF generate", "tok/s"))
     # bytes a decode step reads: every weight but the embedding table (one row per token)
-    weights = sum(p.numel() * p.element_size()
-                  for name, p in llm.engine.runner.model.named_parameters()
-                  if "embed_tokens" not in name)
+    weights = decode_weight_bytes(llm.engine.runner.model)
     ceiling = BANDWIDTH_GBPS * 1e9 / weights
     report.notes.update({"weight_bytes": weights, "bandwidth_ceiling_tok_s": ceiling,
                          "decode_fraction_of_ceiling": kiln / ceiling})
@@ -265,3 +267,18 @@ def plot_report(report: OfflineReport, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def decode_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight a decode step reads: all but the embedding table (one row per
+    token), counting oneDNN-packed linears by their packed copy."""
+    total = 0
+    for name, module in model.named_modules():
+        if "embed_tokens" in name:
+            continue
+        tensors = list(module.parameters(recurse=False))
+        packed = getattr(module, "packed_weight", None)
+        if packed is not None:
+            tensors.append(packed)
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total

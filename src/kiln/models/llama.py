@@ -246,7 +246,8 @@ def stack_weights(model: LlamaForCausalLM) -> dict:
         "input_norm": [layer.input_layernorm.weight for layer in layers],
         "post_norm": [layer.post_attention_layernorm.weight for layer in layers],
         "hookable": layers + attn + mlp + linears,
-        "long_ok": attn[0].backend.bf16_prefill and model.arch.head_dim in (64, 128),
+        "long_ok": (attn[0].backend.bf16_prefill and model.arch.head_dim in (64, 128)
+                    and model.model.embed_tokens.weight.dtype == torch.bfloat16),
         "int8": int8,  # int8_gemv serves only decode-sized steps
         "int8_max_tokens": INT8_GEMV_MAX_TOKENS,
     }

@@ -204,7 +204,7 @@ def effective_weight(layer: Linear) -> torch.Tensor:
     dequantize = getattr(layer.method, "dequantize_weight", None)
     if dequantize is not None:
         return dequantize(layer)
-    return layer.weight.detach().float()
+    return layer.method.dense_weight(layer).detach().float()
 
 
 def quantized_weight(layer: Linear, fmt: str, source: torch.Tensor | None = None) -> torch.Tensor:

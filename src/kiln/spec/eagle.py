@@ -230,7 +230,7 @@ class FeatureTap:
 
 def lm_head_rows(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """The target's LM head weight rows for `ids` ([Vd, H]); the embedding when tied."""
-    weight = getattr(model.lm_head, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        weight = model.model.embed_tokens.weight  # a packed/quantized LM head: tied rows
-    return weight[ids].contiguous()
+    dense = getattr(model.lm_head.method, "dense_weight", None)
+    if dense is None:  # a quantized LM head: its tied embedding rows
+        return model.model.embed_tokens.weight[ids].contiguous()
+    return dense(model.lm_head)[ids].contiguous()

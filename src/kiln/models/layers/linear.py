@@ -99,6 +99,10 @@ class DenseLinearMethod:
     def finalize(self, layer):
         pass
 
+    def dense_weight(self, layer: Linear) -> torch.Tensor:
+        """W [out, in] in the model dtype (methods that repack may rebuild it)."""
+        return layer.weight
+
     def apply(self, layer, x):
         return F.linear(x, layer.weight, layer.bias)
 

@@ -2,9 +2,9 @@
 
 torch's generic bf16 matrix-vector product reads weights at a fraction of the memory bandwidth
 on AVX-512 CPUs; oneDNN's prepacked layout feeds the bf16 dot-product instructions directly and
-is as fast or faster at every batch size we measured (BENCHMARKS.md). The plain weight stays
-next to the packed copy so the reference path (DenseLinearMethod) and weight export keep
-working; the packed copy is what the forward pass reads.
+is as fast or faster at every batch size we measured (BENCHMARKS.md). Once packed, the plain
+weight is released (the model is held once, not twice); `dense_weight(layer)` unpacks a copy for
+the few readers that want W itself (speculator heads reading LM head rows, quantization, tests).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch import nn
 
 from kiln.models.layers.linear import DenseLinearMethod, register_linear_method
 
@@ -38,7 +39,13 @@ class OneDNNLinearMethod(DenseLinearMethod):
     """DenseLinearMethod whose forward reads a oneDNN-prepacked copy made at finalize."""
 
     def finalize(self, layer):
-        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, 1)
+        weight = layer.weight.data
+        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        # released: an empty [0, in] stand-in, so a stray read fails loudly
+        layer.weight = nn.Parameter(weight.new_empty(0, weight.shape[1]), requires_grad=False)
+
+    def dense_weight(self, layer) -> torch.Tensor:
+        return layer.packed_weight.to_dense()
 
     def apply(self, layer, x):
         if x.dim() == 2:  # the engine's flat batch: no reshapes (each op call costs ~1 us)
