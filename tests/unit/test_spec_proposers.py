@@ -67,9 +67,19 @@ def test_adaptive_switches_off_when_drafts_cost_more_than_they_bring():
     # compute-bound large batch: every extra query token costs its full share
     chosen = drive(adaptive, 32, lambda b, k: b * (1 + k), accept_len=1, steps=300)
     assert chosen[-200:].count(0) >= 180
-    # the probes bound the cost: under 5% over always-off
+    # the probes bound the cost: under 5% over always-off, and falling as they back off
     cost = sum(1 + k for k in chosen[-200:]) / 200
     assert cost < 1.05
+    later = drive(adaptive, 32, lambda b, k: b * (1 + k), accept_len=1, steps=1500)
+    assert sum(1 + k for k in later[-1000:]) / 1000 < 1.02
+
+
+def test_adaptive_backed_off_probes_still_notice_better_traffic():
+    adaptive = AdaptiveK(max_k=3)
+    cost = lambda b, k: 1.0 + 0.3 * k  # noqa: E731
+    drive(adaptive, 1, cost, accept_len=0, steps=2000)  # drafts never accepted: off, backed off
+    chosen = drive(adaptive, 1, cost, accept_len=3, steps=2000)
+    assert chosen[-100:].count(3) >= 90
 
 
 def test_adaptive_follows_acceptance_down():
