@@ -209,8 +209,7 @@ class LlamaForCausalLM(nn.Module):
             return False
         if self._stack["int8"] and meta.num_tokens > self._stack["int8_max_tokens"]:
             return False
-        return not (global_hooks() or any(m._forward_hooks or m._forward_pre_hooks
-                                          for m in self._stack["hookable"]))
+        return not (global_hooks() or any(self._stack["hook_dicts"]))
 
 
 def global_hooks() -> bool:
@@ -245,7 +244,11 @@ def stack_weights(model: LlamaForCausalLM) -> dict:
     return out | {
         "input_norm": [layer.input_layernorm.weight for layer in layers],
         "post_norm": [layer.post_attention_layernorm.weight for layer in layers],
-        "hookable": layers + attn + mlp + linears,
+        # the hook registries of every module the stack bypasses (the same dicts for the
+        # model's lifetime: registering or removing a hook edits them in place), so the
+        # per-step check is one any() over them
+        "hook_dicts": [d for m in layers + attn + mlp + linears
+                       for d in (m._forward_hooks, m._forward_pre_hooks)],
         "long_ok": (attn[0].backend.bf16_prefill and model.arch.head_dim in (64, 128)
                     and model.model.embed_tokens.weight.dtype == torch.bfloat16),
         "int8": int8,  # int8_gemv serves only decode-sized steps
