@@ -111,11 +111,23 @@ needs_bf16_dot = pytest.mark.skipif(
     reason="built without AVX512-BF16")
 
 
-def exact_attention(layout, positions, cache, q, k, v, bs, scale):
-    """fp32 reference attention of the same (bf16) inputs, on a copy of the cache."""
-    ref = TorchPagedAttention()
-    return ref.forward(q.float(), k.float(), v.float(), tuple(c.float() for c in cache),
-                       ref.build_metadata(layout, positions, bs), scale)
+class Bf16Case:
+    """A random bf16 batch, the cpu backend's metadata for it, and its exact fp32 attention."""
+
+    def __init__(self, query_lens, context_lens, hq, hkv, d):
+        self.layout, self.positions, cache, q, k, v, self.bs = random_batch(
+            torch.bfloat16, query_lens, context_lens, hq=hq, hkv=hkv, d=d)
+        self.inputs = (q, k, v, cache)
+        self.scale = d ** -0.5
+        self.cpu = CpuPagedAttention()
+        self.meta = self.cpu.build_metadata(self.layout, self.positions, self.bs)
+
+    def exact(self) -> torch.Tensor:
+        """fp32 reference attention of the same (bf16) inputs, on a copy of the cache."""
+        q, k, v, cache = self.inputs
+        ref = TorchPagedAttention()
+        return ref.forward(q.float(), k.float(), v.float(), tuple(c.float() for c in cache),
+                           ref.build_metadata(self.layout, self.positions, self.bs), self.scale)
 
 
 @needs_bf16_dot
@@ -130,11 +142,8 @@ def test_bf16_decode_kernel_matches_fp32_attention(hq, hkv, d, query_lens, conte
                                                    threads):
     """Short queries on bf16 caches (dot products along the head dim, 16 keys reduced at
     once, rows touched before use) against exact fp32 attention of the same inputs."""
-    layout, positions, cache, q, k, v, bs = random_batch(torch.bfloat16, query_lens,
-                                                         context_lens, hq=hq, hkv=hkv, d=d)
-    scale = d ** -0.5
-    cpu = CpuPagedAttention()
-    meta = cpu.build_metadata(layout, positions, bs)
+    case = Bf16Case(query_lens, context_lens, hq, hkv, d)
+    cpu, meta, (q, k, v, cache), scale = case.cpu, case.meta, case.inputs, case.scale
     assert meta.long is None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -142,7 +151,7 @@ def test_bf16_decode_kernel_matches_fp32_attention(hq, hkv, d, query_lens, conte
         out = cpu.forward(q, k, v, cache, meta, scale)
     finally:
         torch.set_num_threads(before)
-    exact = exact_attention(layout, positions, cache, q, k, v, bs, scale)
+    exact = case.exact()
     torch.testing.assert_close(out.float(), exact, atol=1e-2, rtol=1e-2)
 
 
@@ -156,16 +165,13 @@ def test_bf16_decode_kernel_matches_fp32_attention(hq, hkv, d, query_lens, conte
 def test_bf16_prefill_kernel_matches_fp32_attention(hq, hkv, d, query_lens, context_lens):
     """The long-query kernel (bf16 pairs into fp32 dot products) against exact fp32 attention
     of the same bf16 inputs, and no further from it than torch's own bf16 SDPA."""
-    layout, positions, cache, q, k, v, bs = random_batch(torch.bfloat16, query_lens,
-                                                         context_lens, hq=hq, hkv=hkv, d=d)
-    scale = d ** -0.5
-    cpu = CpuPagedAttention()
-    meta = cpu.build_metadata(layout, positions, bs)
+    case = Bf16Case(query_lens, context_lens, hq, hkv, d)
+    cpu, meta, (q, k, v, cache), scale = case.cpu, case.meta, case.inputs, case.scale
     assert meta.short is None
     out = cpu.forward(q, k, v, cache, meta, scale)
     cpu.bf16_prefill = False  # the SDPA path on the same inputs
     sdpa = cpu.forward(q, k, v, cache, meta, scale)
-    exact = exact_attention(layout, positions, cache, q, k, v, bs, scale)
+    exact = case.exact()
     err = (out.float() - exact).abs().max().item()
     assert err < 2e-2
     assert err <= 2 * (sdpa.float() - exact).abs().max().item() + 1e-3
