@@ -3,7 +3,8 @@
   python benchmarks/speculative.py [--reps 3] [--max-tokens 48] [--out results.json]
 
 Configurations: off, n-gram, draft model (the `code-draft` preset), code head, prose head
-(presets built by `kiln train-speculator --preset NAME`; missing ones are skipped). Domains:
+(presets built by `kiln train-speculator --preset NAME`; missing ones are skipped), and each
+head with `ngram_first` ("+ng": an n-gram match's drafts where the text has one). Domains:
 code prompts (the opening of held-out standard-library files) and prose prompts (the opening
 of held-out pydoc topics), never text the speculators were trained on. Batch 1 runs three
 prompts one after another; batch 8 runs eight together. Greedy decoding with ignore_eos, so
@@ -32,12 +33,14 @@ from dataclasses import dataclass
 from transformers import AutoTokenizer  # noqa: F401  (import before engines start threads)
 
 from kiln import LLM, SamplingParams
+from kiln.config import SpeculativeConfig
 from kiln.engine.core import EngineRequest
 from kiln.spec.data import code_corpus, prose_corpus
 from kiln.spec.resolve import speculators_home
 
 CONFIGS = {"off": None, "ngram": "ngram", "draft": "code-draft", "code-head": "code-head",
-           "prose-head": "prose-head"}
+           "prose-head": "prose-head", "code-head+ng": "code-head", "prose-head+ng": "prose-head"}
+# "+ng": SpeculativeConfig(ngram_first=True), an n-gram match's drafts where the text has one
 
 
 def code_prompts(tok, n: int, tokens: int) -> list[list[int]]:
@@ -123,7 +126,9 @@ def build(name: str, speculator: str | None, args) -> LLM | None:
               f"(kiln train-speculator --preset {speculator})")
         return None
     return LLM(max_model_len=1024, kv_cache_memory=96 << 20, max_num_seqs=8,
-               num_threads=args.threads, speculator=speculator)
+               num_threads=args.threads, speculator=speculator,
+               speculative_config=SpeculativeConfig(ngram_first=True)
+               if name.endswith("+ng") else None)
 
 
 def cases(prompts: dict[str, list[list[int]]], batch1_prompts: int):

@@ -188,6 +188,7 @@ class SpeculativeConfig:
     ngram_min: int = 1  # ngram: shortest suffix to look up in the prompt and output
     ngram_max: int = 4  # ngram: longest suffix to look up (longer matches win)
     draft_kv_cache_memory: int | None = None  # draft: bytes for its KV cache; None = derived
+    ngram_first: bool = False  # draft/head: an n-gram match's drafts when there is one
 
     def __post_init__(self):
         if not self.method:

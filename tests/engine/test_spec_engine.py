@@ -86,6 +86,29 @@ def test_greedy_is_token_identical_with_each_proposer(proposer, reference, llama
     assert llm.engine.kv.stats().used_blocks == 0 and llm.engine.kv.stats().hit_tokens > 0
 
 
+@pytest.mark.parametrize("proposer", ["draft", "head"])
+def test_ngram_first_splits_requests_and_stays_lossless(proposer, reference, llama_path,
+                                                        draft_path, head_path):
+    """ngram_first: requests whose text repeats take an n-gram match's drafts, the others
+    the model's; the proposer still follows every step; output unchanged."""
+    import dataclasses
+
+    _, ps, params, expected = reference
+    llm = LLM(llama_path, dtype="float32", num_threads=1, max_num_batched_tokens=48,
+              speculator=speculator_for(proposer, llama_path, draft_path, head_path),
+              speculative_config=dataclasses.replace(FORCED, ngram_first=True))
+    spec = llm.engine.speculator
+    calls, inner = [], spec.proposer.propose
+    spec.proposer.propose = lambda sched, wanted: calls.append(len(wanted)) or inner(sched,
+                                                                                     wanted)
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    to_model = sum(calls)
+    asked = spec.stats.num_verify_steps  # request-steps that verified drafts, either source
+    assert 0 < to_model < asked  # both sources drafted
+    assert 0 in calls  # steps where n-gram matches served everyone: the proposer still ran
+    assert llm.engine.kv.stats().used_blocks == 0
+
+
 def test_adaptive_speculation_is_lossless_too(reference, llama_path, draft_path):
     _, ps, params, expected = reference
     llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=draft_path)

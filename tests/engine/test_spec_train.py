@@ -108,3 +108,53 @@ def test_cli_distills_a_draft_model_from_files(llama_path, tmp_path, monkeypatch
     llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=str(draft))
     assert llm.engine.speculator.config.method == "draft"
     assert (tmp_path / "home" / "speculators" / ".records").is_dir()
+
+
+def test_continuation_prompts_are_seeded_windows_round_robin():
+    from kiln.spec.data import continuation_prompts
+
+    docs = [list(range(100, 140)), list(range(200, 210)), list(range(300, 304))]
+    got = continuation_prompts(docs, 7, 8, seed=1)
+    assert got == continuation_prompts(docs, 7, 8, seed=1)
+    assert len(got) == 7 and all(len(w) == 8 for w in got)
+    # each window is a contiguous slice of one document; documents alternate (the 4-token
+    # one is too short to give a prompt)
+    owners = [w[0] // 100 for w in got]
+    assert owners == [1, 2, 1, 2, 1, 2, 1]
+    assert all(w == list(range(w[0], w[0] + 8)) for w in got)
+    assert continuation_prompts(docs, 100, 8) and len(continuation_prompts(docs, 100, 8)) < 100
+    with pytest.raises(ValueError, match="no document"):
+        continuation_prompts([[1, 2]], 3, 8)
+
+
+def test_cli_self_distills_from_files(llama_path, tmp_path, monkeypatch):
+    """--self-distill: openings cut from the files, continued by the target; each training
+    sequence is one opening plus its continuation (the continuation is the target's own
+    greedy text, so its labels agree with its next tokens)."""
+    from kiln.cli import main
+    from kiln.spec.data import TargetRecord
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    data = tmp_path / "data.txt"
+    data.write_text(" ".join(SEEDS) * 10)
+    head = tmp_path / "head"
+    assert main(["train-speculator", "--model", llama_path, "--data", str(data), "--kind",
+                 "head", "--out", str(head), "--self-distill", "--prompt-tokens", "8",
+                 "--answer-tokens", "24", "--max-tokens", "256", "--epochs", "1",
+                 "--dtype", "float32"]) == 0
+    (cached,) = (tmp_path / "home" / "speculators" / ".records").iterdir()
+    record = TargetRecord.load(cached)
+    assert record.tokens.shape == (8, 32)
+    # the target's choice after position p is the token at p + 1, from the last prompt token
+    assert torch.equal(record.labels[:, 7:31], record.tokens[:, 8:32])
+    assert json.loads((head / "train.json").read_text())["command"]["self_distill"] is True
+
+
+def test_cli_rejects_self_distill_of_prompts(llama_path, tmp_path, capsys):
+    from kiln.cli import main
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    assert main(["train-speculator", "--model", llama_path, "--prompts", str(prompts),
+                 "--self-distill", "--kind", "head", "--out", str(tmp_path / "o")]) != 0
+    assert "--self-distill" in capsys.readouterr().err

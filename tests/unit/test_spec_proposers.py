@@ -112,3 +112,16 @@ def test_speculator_names_resolve(tmp_path):
         resolve_speculative_config("no-such-preset")
     with pytest.raises(ValueError, match="needs a model"):
         SpeculativeConfig(method="head")
+
+
+def test_serve_flags_carry_ngram_first():
+    from kiln.cli import build_parser
+    from kiln.serve.cli import engine_config
+
+    argv = ["serve", "--speculator", "ngram", "--num-speculative-tokens", "4"]
+    spec = engine_config(build_parser(argv).parse_args(argv), 1).speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.ngram_first) == ("ngram", 4, False)
+    argv.append("--ngram-first")
+    assert engine_config(build_parser(argv).parse_args(argv), 1).speculative.ngram_first
+    argv = ["serve"]
+    assert engine_config(build_parser(argv).parse_args(argv), 1).speculative is None

@@ -49,6 +49,9 @@ def engine_flags(g: argparse._ArgumentGroup) -> None:
                         "kiln train-speculator), or a draft checkpoint")
     g.add_argument("--num-speculative-tokens", type=int, default=3,
                    help="most draft tokens per sequence per step")
+    g.add_argument("--ngram-first", action="store_true",
+                   help="with a draft model or head: take an n-gram (prompt lookup) match's "
+                        "drafts when the sequence has one, the model's otherwise")
     g.add_argument("--heartbeat-interval", type=float, default=WorkerConfig.heartbeat_interval_s,
                    help="seconds between worker heartbeats")
     g.add_argument("--repetition-guard", default=StructuredConfig.repetition_guard,
@@ -109,7 +112,8 @@ def engine_config(args: argparse.Namespace, threads: int | None) -> EngineConfig
                                   policy=args.policy),
         parallel=ParallelConfig(num_threads=threads),
         speculative=resolve_speculative_config(  # off unless --speculator names one
-            args.speculator, SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens)
+            args.speculator, SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens,
+                                               ngram_first=args.ngram_first)
         ) if args.speculator else None,
         structured=StructuredConfig(repetition_guard=args.repetition_guard,
                                     compile_timeout_s=args.grammar_compile_timeout))

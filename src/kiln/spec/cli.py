@@ -41,7 +41,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--doc-tokens", type=int, default=2048,
                    help="at most this many tokens from each document (corpus variety)")
-    p.add_argument("--answer-tokens", type=int, default=256, help="--prompts: answer length")
+    p.add_argument("--answer-tokens", type=int, default=None,
+                   help="--prompts: answer length (default 256); --self-distill: "
+                        "continuation length (default 160)")
+    p.add_argument("--self-distill", action=argparse.BooleanOptionalAction, default=None,
+                   help="--data/--domain: train on the target's own greedy continuations of "
+                        "--prompt-tokens openings cut from the texts, not on the texts "
+                        "(default for presets)")
+    p.add_argument("--prompt-tokens", type=int, default=96,
+                   help="--self-distill: tokens in each opening")
     p.add_argument("--epochs", type=int, default=None, help="default: 5 head, 2 draft")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=None, help="default: 3e-3 head, 1e-3 draft")
@@ -85,6 +93,8 @@ def _apply_preset(args: argparse.Namespace) -> None:
         if args.kind not in (None, kind):
             raise CliError(f"--preset {args.preset} trains a {kind}, not a {args.kind}")
         args.kind, args.domain = kind, args.domain or domain
+        if args.self_distill is None:
+            args.self_distill = True
         if args.out is None:
             from kiln.spec.resolve import speculators_home
             args.out = str(speculators_home() / args.preset)
@@ -92,6 +102,14 @@ def _apply_preset(args: argparse.Namespace) -> None:
         raise CliError("give --data FILES, --prompts FILE, --domain or --preset")
     if args.kind is None or args.out is None:
         raise CliError("give --kind head|draft and --out DIR (or a --preset)")
+    if args.answer_tokens is None:
+        args.answer_tokens = 160 if args.self_distill else 256
+    if args.self_distill and args.prompts:
+        raise CliError("--self-distill continues openings of --data/--domain texts; "
+                       "--prompts are answered by the target already")
+    for name in ("max_tokens", "seq_len", "answer_tokens", "prompt_tokens", "batch_size"):
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be at least 1")
 
 
 @dataclasses.dataclass
@@ -135,12 +153,29 @@ def _documents(plan: _Plan, tokenizer) -> list[list[int]]:
         return data.generate_answers(llm, data.read_prompts(a.prompts), a.answer_tokens)
     texts = data.domain_corpus(a.domain) if a.domain else data.read_text_files(a.data)
     random.Random(a.seed).shuffle(texts)
+    if a.self_distill:
+        return _self_distilled(plan, tokenizer, texts)
     docs = []
     for tokens in data.tokenize_documents(tokenizer, texts):
         docs.append(tokens[:a.doc_tokens])
         if sum(map(len, docs)) >= a.max_tokens:
             break
     return docs
+
+
+def _self_distilled(plan: _Plan, tokenizer, texts: list[str]) -> list[list[int]]:
+    """Openings cut from the texts, each continued by the target (greedy, exactly
+    --answer-tokens): what the speculator will see at inference is the target's own text."""
+    from kiln import LLM
+    from kiln.spec import data
+
+    a = plan.args
+    n = max(1, a.max_tokens // (a.prompt_tokens + a.answer_tokens))
+    prompts = data.continuation_prompts(data.tokenize_documents(tokenizer, texts), n,
+                                        a.prompt_tokens, a.seed)
+    llm = LLM(str(plan.model_path), dtype=a.dtype, num_threads=a.threads, max_num_seqs=128,
+              max_num_batched_tokens=4096, repetition_guard="off")
+    return data.generate_answers(llm, prompts, a.answer_tokens, ignore_eos=True)
 
 
 def _record(plan: _Plan, console):
@@ -161,7 +196,8 @@ def _record(plan: _Plan, console):
         console.print(f"target record from cache: {cached}")
         return TargetRecord.load(cached)
     tokenizer = AutoTokenizer.from_pretrained(plan.model_path)
-    chunks = chunk_tokens(_documents(plan, tokenizer), a.seq_len, a.max_tokens)
+    seq_len = a.prompt_tokens + a.answer_tokens if a.self_distill else a.seq_len
+    chunks = chunk_tokens(_documents(plan, tokenizer), seq_len, a.max_tokens)
     with Progress(console=console, transient=False) as progress:
         task = progress.add_task("recording the target", total=chunks.numel())
         record = record_target(runner, chunks, plan.train_config().feature_layers,
@@ -184,7 +220,8 @@ def _record_cache(plan: _Plan) -> Path | None:
         return None
     data = a.domain or sorted(str(Path(p).resolve()) for p in a.data)
     key = json.dumps([str(plan.model_path), data, a.max_tokens, a.seq_len, a.doc_tokens,
-                      plan.train_config().feature_layers, a.seed, a.dtype])
+                      plan.train_config().feature_layers, a.seed, a.dtype] +
+                     ([a.prompt_tokens, a.answer_tokens] if a.self_distill else []))
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return speculators_home() / ".records" / f"{digest}.safetensors"
 

@@ -3,7 +3,8 @@
 Two built-in domains come from files every Python installation has, so anyone can rebuild
 the shipped speculators byte for byte on their own machine:
   code   the standard library's own source (`sysconfig` stdlib dir; no site-packages, no tests)
-  prose  the English reference documentation in `pydoc_data/topics.py` (what `help()` shows)
+  prose  the English reference documentation in `pydoc_data/topics.py` (what `help()` shows),
+         reflowed to running text
 A deterministic split by file or topic name keeps 1 in 10 aside (`split="heldout"`) for
 benchmark prompts, so a speculator is never measured on its own training text.
 
@@ -49,10 +50,11 @@ def code_corpus(split: str = "train") -> list[str]:
 
 
 def prose_corpus(split: str = "train") -> list[str]:
-    """The pydoc topics (English reference documentation), sorted by topic name."""
+    """The pydoc topics (English reference documentation), sorted by topic name, reflowed
+    (runs of whitespace collapsed to one space: running prose, not terminal layout)."""
     from pydoc_data.topics import topics
 
-    return [topics[name] for name in sorted(topics) if _keep(name, split)]
+    return [" ".join(topics[name].split()) for name in sorted(topics) if _keep(name, split)]
 
 
 def domain_corpus(domain: str, split: str = "train") -> list[str]:
@@ -108,12 +110,35 @@ def tokenize_documents(tokenizer, texts: Iterable[str]) -> Iterable[list[int]]:
         yield tokenizer.encode(text, add_special_tokens=False)
 
 
-def generate_answers(llm, prompts: list, max_tokens: int) -> list[list[int]]:
+def continuation_prompts(token_lists: Iterable[list[int]], n: int, prompt_tokens: int,
+                         seed: int = 0) -> list[list[int]]:
+    """Up to `n` windows of `prompt_tokens` tokens, at seeded random offsets, taken round
+    robin over the documents (one window per document per round, so short corpora still
+    give many distinct openings): the prompts for self-distillation from a corpus."""
+    import random
+
+    docs = [t for t in token_lists if len(t) >= prompt_tokens]
+    if not docs:
+        raise ValueError(f"no document has the {prompt_tokens} tokens a prompt needs")
+    rng, out = random.Random(seed), []
+    max_rounds = max(len(t) // prompt_tokens for t in docs)
+    for _ in range(max_rounds):
+        for tokens in docs:
+            start = rng.randrange(len(tokens) - prompt_tokens + 1)
+            out.append(tokens[start:start + prompt_tokens])
+            if len(out) == n:
+                return out
+    return out
+
+
+def generate_answers(llm, prompts: list, max_tokens: int,
+                     ignore_eos: bool = False) -> list[list[int]]:
     """Prompt + the target's own greedy answer, as token ids (self-distillation data).
-    Prompts are text, token-id lists, or chats (lists of messages)."""
+    Prompts are text, token-id lists, or chats (lists of messages). With `ignore_eos`
+    every answer has exactly `max_tokens` tokens (continuations of raw text)."""
     from kiln.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     chats = [p for p in prompts if isinstance(p, list) and p and isinstance(p[0], dict)]
     plain = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts
              if not (isinstance(p, list) and p and isinstance(p[0], dict))]

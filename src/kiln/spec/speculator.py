@@ -7,7 +7,8 @@
   2. it picks k for the next step (0 = no drafts this time);
   3. the proposer guesses up to k tokens for each running request that just sampled, capped
      so a draft never sits past `max_tokens` (the bonus token needs the last slot) or
-     `max_model_len`;
+     `max_model_len` (with `ngram_first`, requests whose text has an n-gram match take its
+     drafts instead: on text that repeats itself, lookup beats a small model);
   4. each guess passes `draft_filter`, the seam for structured output (a grammar keeps the
      drafts it accepts), and lands in `request.spec_token_ids` (and `spec_draft_probs`),
      where the scheduler picks it up as extra query tokens.
@@ -19,11 +20,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from kiln.config import SpeculativeConfig
 from kiln.engine.outputs import EngineCoreOutput
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.spec.adaptive import AdaptiveK
+from kiln.spec.ngram import propose_ngram
 from kiln.spec.proposer import Draft, DraftRequest, ProposerContext, build_proposer
 
 # (request, drafts) -> how many leading drafts to keep
@@ -55,6 +59,7 @@ class Speculator:
         self.stats = SpecStats()
         self._asked: dict[str, tuple[int, int]] = {}  # request -> (drafts asked, proposed)
         self._last: tuple[int, int, float] | None = None  # (batch, k, propose seconds)
+        self._lookup = config.ngram_first and config.method != "ngram"
 
     def after_step(self, sched: SchedulerOutput, outputs: list[EngineCoreOutput],
                    step_seconds: float) -> None:
@@ -64,12 +69,25 @@ class Speculator:
         candidates = self._candidates(sched)
         k = self.adaptive.choose(len(candidates)) if candidates else 0
         wanted = [DraftRequest(r, n) for r in candidates if (n := self._cap(r, k)) > 0]
-        drafts = self.proposer.propose(sched, wanted)
+        drafts = self._propose(sched, wanted)
         for w, draft in zip(wanted, drafts, strict=True):
             self._store(w, draft)
         if finished:
             self.proposer.release(finished)
         self._last = (len(candidates), k, time.perf_counter() - started)
+
+    def _propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]) -> list[Draft]:
+        """The proposer's drafts; with `ngram_first`, a request whose text has an n-gram
+        match takes that match's drafts and the proposer sees only the others (it still sees
+        every step, to follow the target)."""
+        if not self._lookup:
+            return self.proposer.propose(sched, wanted)
+        c = self.config
+        found = [propose_ngram(np.asarray(w.request.all_token_ids), w.max_drafts, c.ngram_min,
+                               c.ngram_max) for w in wanted]
+        rest = iter(self.proposer.propose(sched, [w for w, f in zip(wanted, found, strict=True)
+                                                  if not f]))
+        return [Draft(f) if f else next(rest) for f in found]
 
     def _candidates(self, sched: SchedulerOutput) -> list[Request]:
         out = []
