@@ -64,8 +64,8 @@ class AdaptiveK:
     _tried: list[float] = field(default_factory=list)  # per draft position (decayed counts)
     _accepted: list[float] = field(default_factory=list)
     _steps: dict[int, int] = field(default_factory=dict)  # decisions per bucket
-    _probe: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # bucket -> (next
-    # probe step, interval, best arm at the last probe)
+    _probe: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)  # bucket ->
+    # (next probe step, interval, best arm at the last probe, probes so far)
 
     def __post_init__(self):
         self._tried = [0.0] * self.max_k
@@ -107,15 +107,15 @@ class AdaptiveK:
             return untried[0]
         best = max(range(self.max_k + 1),
                    key=lambda k: self.expected_tokens(k) / self._arms[(bucket, k)].seconds)
-        due, interval, last_best = self._probe.setdefault(
-            bucket, (n + self.explore_every, self.explore_every, best))
+        due, interval, last_best, count = self._probe.setdefault(
+            bucket, (n + self.explore_every, self.explore_every, best, 0))
         if n < due:
             return best
         interval = (min(2 * interval, self.max_explore_every) if best == last_best
                     else self.explore_every)
-        self._probe[bucket] = (n + interval, interval, best)
+        self._probe[bucket] = (n + interval, interval, best, count + 1)
         probes = [k for k in (best - 1, best + 1) if 0 <= k <= self.max_k]
-        return probes[(n // self.explore_every) % len(probes)]  # a neighbour, either side
+        return probes[count % len(probes)]  # the neighbours in turn, either side
 
     # -- measurements ---------------------------------------------------------------------
 

@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), help="built-in domain + kind + out")
     p.add_argument("--kind", choices=("head", "draft"), default=None)
     p.add_argument("--out", default=None, help="output directory")
-    p.add_argument("--max-tokens", type=int, default=65536, help="training tokens")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="training tokens (default: 524288 with --self-distill, else 65536)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--doc-tokens", type=int, default=2048,
                    help="at most this many tokens from each document (corpus variety)")
@@ -50,7 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default for presets)")
     p.add_argument("--prompt-tokens", type=int, default=96,
                    help="--self-distill: tokens in each opening")
-    p.add_argument("--epochs", type=int, default=None, help="default: 5 head, 2 draft")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="default: 2 draft; head 3 with --self-distill, else 5")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=None, help="default: 3e-3 head, 1e-3 draft")
     p.add_argument("--ttt-steps", type=int, default=3, help="head: unrolled draft steps")
@@ -104,6 +106,8 @@ def _apply_preset(args: argparse.Namespace) -> None:
         raise CliError("give --kind head|draft and --out DIR (or a --preset)")
     if args.answer_tokens is None:
         args.answer_tokens = 160 if args.self_distill else 256
+    if args.max_tokens is None:
+        args.max_tokens = 524288 if args.self_distill else 65536
     if args.self_distill and args.prompts:
         raise CliError("--self-distill continues openings of --data/--domain texts; "
                        "--prompts are answered by the target already")
@@ -132,7 +136,8 @@ class _Plan:
         from kiln.spec.train import TrainConfig
 
         a = self.args
-        return TrainConfig(epochs=a.epochs or (5 if self.kind == "head" else 2),
+        head_epochs = 3 if a.self_distill else 5
+        return TrainConfig(epochs=a.epochs or (head_epochs if self.kind == "head" else 2),
                            batch_size=a.batch_size,
                            lr=a.lr or (3e-3 if self.kind == "head" else 1e-3),
                            ttt_steps=a.ttt_steps, draft_vocab_size=a.draft_vocab_size,
