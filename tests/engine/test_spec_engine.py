@@ -109,6 +109,55 @@ def test_ngram_first_splits_requests_and_stays_lossless(proposer, reference, lla
     assert llm.engine.kv.stats().used_blocks == 0
 
 
+def test_draft_model_with_a_draft_vocabulary(reference, llama_path, tmp_path):
+    """A draft checkpoint whose speculator.json lists a draft_vocab proposes only those tokens
+    (its LM head restricted to their rows); the target's output is unchanged. Here the draft
+    is the target itself: with the whole vocabulary every draft would be accepted."""
+    import json
+    import shutil
+
+    _, ps, params, expected = reference
+    draft = tmp_path / "draft"
+    shutil.copytree(llama_path, draft)
+    allowed = set(t for seq in expected for t in seq[::2])  # about half the target's choices
+    meta = draft / "speculator.json"
+    meta.write_text(json.dumps({"kind": "draft", "draft_vocab": sorted(allowed)}))
+    llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=str(draft),
+              speculative_config=FORCED)
+    proposer, drafted = llm.engine.speculator.proposer, []
+    inner = proposer.propose
+    proposer.propose = lambda sched, wanted: [drafted.extend(d.token_ids) or d
+                                              for d in inner(sched, wanted)]
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    assert drafted and set(drafted) <= allowed
+    stats = llm.engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+    meta.write_text(json.dumps({"kind": "draft", "draft_vocab": [0, 10 ** 6]}))
+    with pytest.raises(ValueError, match="draft_vocab"):
+        LLM(llama_path, dtype="float32", num_threads=1, speculator=str(draft))
+
+
+def test_head_that_never_drafts_never_runs(reference, llama_path, head_path):
+    """With drafting switched off throughout, the head does no catch-up work at a request's
+    end: its KV stays zero (no head forward ran), and the next run, with prefix hits and
+    drafting on, is still lossless."""
+    _, ps, params, expected = reference
+    llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
+              speculative_config=FORCED)
+    spec = llm.engine.speculator
+    forced = spec.adaptive.choose
+    spec.adaptive.choose = lambda batch: 0
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    head = spec.proposer
+    assert not head.pending and not head.drafted
+    assert not head.kv[0].any() and not head.kv[1].any()
+    spec.adaptive.choose = forced
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    assert spec.stats.num_draft_tokens > 0 and llm.engine.kv.stats().hit_tokens > 0
+    assert head.kv[0].any()
+
+
 def test_adaptive_speculation_is_lossless_too(reference, llama_path, draft_path):
     _, ps, params, expected = reference
     llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=draft_path)

@@ -103,8 +103,9 @@ def test_cli_distills_a_draft_model_from_files(llama_path, tmp_path, monkeypatch
     draft = tmp_path / "draft"
     assert main(["train-speculator", "--model", llama_path, "--data", str(data), "--kind",
                  "draft", "--out", str(draft), "--seq-len", "32", "--epochs", "1",
-                 "--draft-layers", "1", "--dtype", "float32"]) == 0
-    assert json.loads((draft / "speculator.json").read_text())["kind"] == "draft"
+                 "--draft-layers", "1", "--draft-vocab-size", "64", "--dtype", "float32"]) == 0
+    meta = json.loads((draft / "speculator.json").read_text())
+    assert meta["kind"] == "draft" and len(meta["draft_vocab"]) == 64
     llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=str(draft))
     assert llm.engine.speculator.config.method == "draft"
     assert (tmp_path / "home" / "speculators" / ".records").is_dir()

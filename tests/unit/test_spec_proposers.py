@@ -82,15 +82,21 @@ def test_adaptive_backed_off_probes_still_notice_better_traffic():
     assert chosen[-100:].count(3) >= 90
 
 
-def test_adaptive_probes_both_neighbours_in_turn():
+def test_adaptive_probes_both_neighbours_and_off_in_turn():
     """With k = 1 best, probes alternate k = 0 and k = 2 (also once the interval has backed
-    off to multiples of the first one)."""
+    off to multiples of the first one); with k = 3 best, they take turns at 2 and at 0 (the
+    baseline's cost is re-measured too)."""
     adaptive = AdaptiveK(max_k=3)
     cost = lambda b, k: 1.0 + 0.5 * k  # noqa: E731  k = 1 pays with one draft accepted
     chosen = drive(adaptive, 1, cost, accept_len=1, steps=1200)
     late = chosen[400:]
     assert late.count(1) >= len(late) - 20
     assert late.count(0) >= 3 and late.count(2) >= 3
+    adaptive = AdaptiveK(max_k=3)
+    chosen = drive(adaptive, 1, lambda b, k: 1.0 + 0.05 * k, accept_len=3, steps=1200)
+    late = chosen[400:]
+    assert late.count(3) >= len(late) - 20
+    assert late.count(0) >= 3 and late.count(2) >= 3 and late.count(1) == 0
 
 
 def test_adaptive_follows_acceptance_down():

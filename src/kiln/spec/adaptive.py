@@ -15,8 +15,9 @@ step we pick the k with the most expected tokens per second, from measurements:
   k* = argmax_k tokens(k) / cost(b, k)
 
 Arms never measured in a bucket are tried first (a few steps each); afterwards a probe step
-re-measures a neighbour of the best arm, so costs and acceptance keep up with load and traffic
-(k = 0 never measures acceptance, so a switched-off speculator is retried this way). Probes
+re-measures a neighbour of the best arm or k = 0 (in turn), so costs and acceptance keep up
+with load and traffic (k = 0 never measures acceptance, so a switched-off speculator is
+retried this way; and k = 0's cost, the baseline, never goes stale while drafting wins). Probes
 start one step in `explore_every`; each probe that finds the same best arm as the one before
 doubles the interval (up to `max_explore_every`), and a change of best arm resets it. So a
 speculator that does not pay costs at most (cost(b, 1) / cost(b, 0) - 1) / interval extra. In
@@ -114,8 +115,10 @@ class AdaptiveK:
         interval = (min(2 * interval, self.max_explore_every) if best == last_best
                     else self.explore_every)
         self._probe[bucket] = (n + interval, interval, best, count + 1)
-        probes = [k for k in (best - 1, best + 1) if 0 <= k <= self.max_k]
-        return probes[count % len(probes)]  # the neighbours in turn, either side
+        # the neighbours and k = 0 in turn: "no drafts" is the baseline every other arm is
+        # judged against, so its cost must not go stale while drafting wins
+        probes = sorted({k for k in (0, best - 1, best + 1) if 0 <= k <= self.max_k} - {best})
+        return probes[count % len(probes)]
 
     # -- measurements ---------------------------------------------------------------------
 

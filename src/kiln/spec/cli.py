@@ -57,7 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=None, help="default: 3e-3 head, 1e-3 draft")
     p.add_argument("--ttt-steps", type=int, default=3, help="head: unrolled draft steps")
     p.add_argument("--draft-vocab-size", type=int, default=4096,
-                   help="head: tokens it may propose, most frequent first (0 = all)")
+                   help="tokens a head or distilled draft model may propose, most frequent "
+                        "first (0 = all)")
     p.add_argument("--feature-layers", type=int, nargs="+", default=[-1],
                    help="head: target features (-1 = final hidden, i = output of layer i)")
     p.add_argument("--head-intermediate-size", type=int, default=None)
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
                   f"from {plan.source} -> {plan.out}")
     record = _record(plan, console)
     trained, history = _train(plan, record, console)
-    _save(plan, trained, history, time.perf_counter() - started)
+    _save(plan, trained, history, record, time.perf_counter() - started)
     held = " ".join(f"{x:.2f}" for x in history.eval_accuracy)
     console.print(f"wrote {plan.out} (loss {history.loss[0]:.3f} -> {history.loss[-1]:.3f}, "
                   f"held-out agreement {held or '-'}, {time.perf_counter() - started:.0f} s); "
@@ -254,7 +255,7 @@ def _train(plan: _Plan, record, console):
         return train.distill_draft(plan.model_path, record, cfg, report)
 
 
-def _save(plan: _Plan, trained, history, seconds: float) -> None:
+def _save(plan: _Plan, trained, history, record, seconds: float) -> None:
     import torch
 
     from kiln.spec import train
@@ -264,7 +265,9 @@ def _save(plan: _Plan, trained, history, seconds: float) -> None:
     if plan.kind == "head":
         save_head(trained, plan.out, dtype)
     else:
-        train.save_draft(trained, plan.model_path, plan.out, dtype)
+        vocab = train.draft_model_vocab(record, plan.train_config(),
+                                        trained.config.vocab_size)
+        train.save_draft(trained, plan.model_path, plan.out, dtype, vocab)
     train.plot_history(history, plan.out / "loss.png",
                        f"{plan.kind} for {plan.model_path.name} ({plan.source})")
     a = plan.args

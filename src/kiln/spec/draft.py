@@ -12,6 +12,11 @@ One round for the requests that want drafts, batched:
   2. catch up: compute every verified token the draft has not seen; the last one's greedy
      choice is draft 1;
   3. k - 1 single-token steps: draft j from draft j - 1.
+Greedy choices come from the whole vocabulary, or, when the checkpoint carries a draft
+vocabulary (`draft_vocab` in its speculator.json, written by `kiln train-speculator --kind
+draft`: the
+target's most frequent choices in the training data), from those rows of the LM head only:
+for a small model the LM head is most of the weights read per step.
 A request whose draft KV cannot be allocated gets no drafts this round (and loses its draft
 cache state); when adaptive speculation pauses drafting, shadows simply lag and catch up later.
 """
@@ -19,10 +24,14 @@ cache state); when adaptive speculation pauses drafting, shadows simply lag and 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+
+import torch
 
 from kiln.engine.kv_manager import KVCacheManager
 from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kiln.runner.batch import build_batch
 from kiln.sampling_params import SamplingParams
 from kiln.spec.proposer import Draft, DraftRequest, ProposerContext, register_proposer
 
@@ -54,6 +63,27 @@ class DraftModelProposer:
         self.kv = KVCacheManager(ctx.cache, num_blocks)
         self.shadows: dict[str, _Shadow] = {}
         self._finished: list[str] = []
+        self.vocab, self.lm = self._draft_vocab(Path(config.model))
+
+    def _draft_vocab(self, path: Path):
+        """(token ids, their LM head rows packed) when the checkpoint carries a draft
+        vocabulary (`kiln train-speculator --kind draft` writes one), else (None, None)."""
+        import json
+
+        from kiln.spec.eagle import lm_head_rows, packed_linear
+        from kiln.spec.resolve import SPECULATOR_FILE
+
+        meta = path / SPECULATOR_FILE
+        ids = json.loads(meta.read_text()).get("draft_vocab") if meta.is_file() else None
+        if ids is None:
+            return None, None
+        n = self.runner.vocab_size
+        if (not isinstance(ids, list) or not ids
+                or not all(type(i) is int and 0 <= i < n for i in ids)):
+            raise ValueError(f"{meta}: draft_vocab must be a non-empty list of token ids "
+                             f"below {n}")
+        ids = torch.tensor(ids)
+        return ids, packed_linear(lm_head_rows(self.runner.model, ids))
 
     def propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]) -> list[Draft]:
         live = {}  # index in wanted -> shadow
@@ -127,8 +157,23 @@ class DraftModelProposer:
         if not items:
             return {}
         finished, self._finished = self._finished, []
-        out = self.runner.execute(SchedulerOutput(items, sum(len(t.token_ids) for t in items),
-                                                  finished))
+        sched = SchedulerOutput(items, sum(len(t.token_ids) for t in items), finished)
+        sampled = (self.runner.execute(sched).sampled_token_ids if self.lm is None
+                   else self._greedy_in_vocab(sched))
         for i, item in zip(owners, items, strict=True):
             live[i].request.num_computed_tokens += len(item.token_ids)
-        return {i: sampled for i, sampled in zip(owners, out.sampled_token_ids, strict=True)}
+        return {i: tokens for i, tokens in zip(owners, sampled, strict=True)}
+
+    @torch.inference_mode()
+    def _greedy_in_vocab(self, sched: SchedulerOutput) -> list[list[int]]:
+        """The runner's step, with the greedy choice over the draft vocabulary only: the LM
+        head is most of a small model's weights, and the target's choices come from a few
+        thousand tokens."""
+        runner = self.runner
+        runner.release(sched.finished_ids)
+        batch = build_batch(sched)
+        meta = runner.backend.build_metadata(batch.layout, batch.positions,
+                                             runner.kv_spec.block_size)
+        hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, meta)
+        best = self.vocab[self.lm(hidden[batch.logits_index]).argmax(dim=-1)]
+        return [[t] for t in best.tolist()]

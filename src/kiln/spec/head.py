@@ -11,8 +11,11 @@ forward per step would be pure overhead. So after each step the proposer only ga
 target's features of the newly verified positions (one index operation) and keeps them per
 request; the head runs over a request's pending positions, as one batch, when the request
 next drafts (its last output gives draft 1) or when it finishes (so the blocks it leaves in
-the prefix cache carry complete head KV). Requests that leave without running a step (an
-abort between steps) drop their pending positions: their blocks may already be reused.
+the prefix cache carry complete head KV) if the head was drafting for it up to the end (at
+most FINISH_CATCH_UP positions pending): a request that was not (adaptive speculation kept
+drafting off but for a probe or two) would pay a head forward over most of its text at the end
+for nothing but possible later prefix hits, so those positions' head KV is zeroed instead. Requests that leave without running a step (an abort between steps) drop their
+pending positions: their blocks may already be reused.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ def token_slice(item: ScheduledRequest, start: int, end: int) -> list[int]:
     return prompt[start:] + output[:end - n]
 
 
+FINISH_CATCH_UP = 16  # at a request's end, run the head over at most this many positions
+
+
 @dataclass
 class _Pending:
     """A request's verified positions [start, end) that the head has not run over yet."""
@@ -67,10 +73,14 @@ class _Pending:
     item: ScheduledRequest  # where it was last scheduled: live token lists and block table
     step: int  # the round it was last scheduled in
     feats: list[torch.Tensor] = field(default_factory=list)  # [n_i, F] chunks, in order
+    end: int = -1  # start + positions held
 
-    @property
-    def end(self) -> int:
-        return self.start + sum(len(f) for f in self.feats)
+    def __post_init__(self):
+        self.end = self.start
+
+    def add(self, chunk: torch.Tensor) -> None:
+        self.feats.append(chunk)
+        self.end += len(chunk)
 
     def truncate(self, position: int) -> None:
         """Forget features from `position` on (the target recomputes them)."""
@@ -81,6 +91,7 @@ class _Pending:
             kept.append(chunk[:position - at])
             at += len(chunk)
         self.feats = kept
+        self.end = self.start + sum(len(f) for f in kept)
 
 
 @register_proposer("head")
@@ -106,6 +117,7 @@ class HeadProposer:
         self.kv = (torch.zeros(shape, dtype=runner.dtype),
                    torch.zeros(shape, dtype=runner.dtype))
         self.pending: dict[str, _Pending] = {}
+        self.drafted: set[str] = set()  # requests the head has drafted for
         self.rounds = 0
         runner.keep_hidden = True
 
@@ -117,15 +129,39 @@ class HeadProposer:
             self._collect(sched, step)
         if not wanted:
             return []
+        self.drafted.update(w.request.request_id for w in wanted)
         return self._draft(wanted, self._run([w.request.request_id for w in wanted]))
 
     @torch.inference_mode()
     def release(self, request_ids: list[str]) -> None:
         due = [rid for rid in request_ids
                if rid in self.pending and self.pending[rid].step == self.rounds]
-        self._run(due)  # blocks freed this step are not reused before the next schedule
+        # blocks freed this step are not reused before the next schedule: complete the head
+        # KV they leave in the prefix cache where the head was drafting for the request up to
+        # its end; where it was not (drafting switched off, a probe long ago), catching up
+        # would be a head forward over most of the text for nothing but possible later prefix
+        # hits, so those positions' head KV is zeroed instead (a prefix hit attends nothing
+        # there)
+        current = [rid for rid in due if rid in self.drafted
+                   and self.pending[rid].end - self.pending[rid].start <= FINISH_CATCH_UP]
+        self._run(current)
+        self._forget([rid for rid in due if rid not in current])
         for rid in request_ids:
             self.pending.pop(rid, None)
+            self.drafted.discard(rid)
+
+    def _forget(self, request_ids: list[str]) -> None:
+        """Zero the head KV of these requests' pending positions."""
+        slots = []
+        for rid in request_ids:
+            p = self.pending.pop(rid)
+            pos = torch.arange(p.start, p.end)
+            blocks = torch.tensor(p.item.block_ids)[pos // self.block_size]
+            slots.append(blocks * self.block_size + pos % self.block_size)
+        if slots:
+            index = torch.cat(slots)
+            self.kv[0][index] = 0
+            self.kv[1][index] = 0
 
     # -- catching up ----------------------------------------------------------------------
 
@@ -135,15 +171,19 @@ class HeadProposer:
         if not spans:
             return
         starts = step.batch.layout.query_start
-        flat = torch.cat([torch.arange(n) + int(starts[i]) for i, _, n in spans])
-        chunks = self.tap.features(step.hidden, flat).split([n for _, _, n in spans])
+        if all(n == 1 for _, _, n in spans):  # decode steps: one position per request
+            flat = starts[torch.tensor([i for i, _, _ in spans])]
+            chunks = self.tap.features(step.hidden, flat)[:, None].unbind()
+        else:
+            flat = torch.cat([torch.arange(n) + int(starts[i]) for i, _, n in spans])
+            chunks = self.tap.features(step.hidden, flat).split([n for _, _, n in spans])
         for (_, item, _), chunk in zip(spans, chunks, strict=True):
             p = self.pending.get(item.request_id)
             if p is None or not p.start <= item.start_pos <= p.end:
                 p = self.pending[item.request_id] = _Pending(item.start_pos, item, self.rounds)
             elif item.start_pos < p.end:  # recomputed after a preemption
                 p.truncate(item.start_pos)
-            p.feats.append(chunk)
+            p.add(chunk)
             p.item, p.step = item, self.rounds
 
     def _run(self, request_ids: list[str]) -> dict:

@@ -272,6 +272,16 @@ def init_draft_model(target_path: Path, num_layers: int):
     return model
 
 
+def draft_model_vocab(record: TargetRecord, cfg: TrainConfig, vocab_size: int
+                      ) -> torch.Tensor | None:
+    """The draft vocabulary saved beside a distilled draft model: the target's most frequent
+    choices in the training sequences (None when `draft_vocab_size` keeps them all)."""
+    if cfg.draft_vocab_size <= 0 or cfg.draft_vocab_size >= vocab_size:
+        return None
+    train_idx, _ = split_sequences(len(record.tokens), cfg)
+    return choose_draft_vocab(record.labels[train_idx], cfg.draft_vocab_size, vocab_size)
+
+
 def distill_draft(target_path: Path, record: TargetRecord, cfg: TrainConfig,
                   progress: ProgressFn | None = None):
     """Train an early-exit draft model on the target's greedy tokens; returns (model, history)."""
@@ -310,8 +320,10 @@ def _draft_loss(model, record: TargetRecord, idx: torch.Tensor,
     return loss, float((logits.argmax(-1) == record.labels[idx]).float().mean())
 
 
-def save_draft(model, target_path: Path, out_dir: Path, dtype: torch.dtype) -> None:
-    """An HF checkpoint (plus the target's tokenizer files and a speculator.json)."""
+def save_draft(model, target_path: Path, out_dir: Path, dtype: torch.dtype,
+               draft_vocab: torch.Tensor | None = None) -> None:
+    """An HF checkpoint, the target's tokenizer files and a speculator.json (which lists
+    the draft vocabulary the proposer restricts its LM head to, when given)."""
     import json
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -322,7 +334,8 @@ def save_draft(model, target_path: Path, out_dir: Path, dtype: torch.dtype) -> N
             shutil.copy(target_path / name, out_dir / name)
     (out_dir / "speculator.json").write_text(json.dumps(
         {"kind": "draft", "target": target_path.name,
-         "num_hidden_layers": model.config.num_hidden_layers}, indent=2))
+         "num_hidden_layers": model.config.num_hidden_layers,
+         "draft_vocab": None if draft_vocab is None else draft_vocab.tolist()}))
 
 
 def plot_history(history: History, path: Path, title: str) -> None:
