@@ -10,8 +10,9 @@ step we pick the k with the most expected tokens per second, from measurements:
   tokens(k) = 1 + sum_{i=1..k} a_1 * ... * a_i    a_i: measured P(draft i was proposed and
                                                   accepted | i were asked for, i - 1 accepted)
   cost(b, k) = measured seconds per sequence of a step at batch size bucket b verifying k
-               drafts, proposer time included (decode-only steps; the median of the last
-               few, so a stall caused by someone else's process cannot flip the choice)
+               drafts, proposer time included (decode-only steps; the lower quartile of
+               the last 9, so a stall caused by someone else's process cannot flip the
+               choice, nor make an arm that was probed only a few times look dear)
   k* = argmax_k tokens(k) / cost(b, k)
 
 Arms never measured in a bucket are tried first (a few steps each); afterwards a probe step
@@ -30,7 +31,6 @@ on this machine; BENCHMARKS.md.)
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -49,7 +49,10 @@ class _Arm:
 
     @property
     def seconds(self) -> float:
-        return statistics.median(self.recent)
+        """The lower quartile of the recent samples: interference from other processes
+        only ever adds time, and an arm probed a few times must not look dearer than it is
+        because one of its few samples was unlucky."""
+        return sorted(self.recent)[len(self.recent) // 4]
 
 
 @dataclass
