@@ -78,7 +78,7 @@ def test_adaptive_backed_off_probes_still_notice_better_traffic():
     adaptive = AdaptiveK(max_k=3)
     cost = lambda b, k: 1.0 + 0.3 * k  # noqa: E731
     drive(adaptive, 1, cost, accept_len=0, steps=2000)  # drafts never accepted: off, backed off
-    chosen = drive(adaptive, 1, cost, accept_len=3, steps=2000)
+    chosen = drive(adaptive, 1, cost, accept_len=3, steps=3000)  # on after ~2,000 steps
     assert chosen[-100:].count(3) >= 90
 
 

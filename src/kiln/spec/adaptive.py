@@ -13,7 +13,7 @@ step we pick the k with the most expected tokens per second, from measurements:
                drafts, proposer time included (decode-only steps; the lower quartile of
                the last 9, so a stall caused by someone else's process cannot flip the
                choice, nor make an arm that was probed only a few times look dear)
-  k* = argmax_k tokens(k) / cost(b, k)
+  k* = argmax_k tokens(k) / cost(b, k), over k = 0 and the k that beat k = 0 by 10%
 
 Arms never measured in a bucket are tried first (a few steps each); afterwards a probe step
 re-measures a neighbour of the best arm or k = 0 (in turn), so costs and acceptance keep up
@@ -24,7 +24,8 @@ doubles the interval (up to `max_explore_every`), and a change of best arm reset
 speculator that does not pay costs at most (cost(b, 1) / cost(b, 0) - 1) / interval extra. In
 the unit tests' synthetic machine, 96 rather than a fixed 24 cuts that overhead from 4.2% to
 1.1% and takes 1,204 rather than 772 steps to switch a speculator back on when its drafts start
-being accepted. (A head's probe is dearer than its k = 1 step suggests: it first catches up on
+being accepted; the 10% margin drafting must promise over k = 0 makes that 2,015 steps (and
+keeps a draft model drafting at batch 8 on this machine, where it cost 10-17%, off). (A head's probe is dearer than its k = 1 step suggests: it first catches up on
 every position it skipped. At fixed 1-in-24 probes heads ran at 0.93-0.94x of off at batch 8
 on this machine; BENCHMARKS.md.)
 """
@@ -63,6 +64,7 @@ class AdaptiveK:
     explore_every: int = 24  # first probe interval (steps), per bucket
     max_explore_every: int = 96  # the interval doubles up to this while the best arm holds
     min_samples: int = 3  # measurements before an arm is trusted
+    margin: float = 0.1  # drafting must promise this much more than no drafts
     acceptance_decay: float = 0.995  # per verified draft: old evidence fades
     _arms: dict[tuple[int, int], _Arm] = field(default_factory=dict)
     _tried: list[float] = field(default_factory=list)  # per draft position (decayed counts)
@@ -109,8 +111,7 @@ class AdaptiveK:
                    if self._arms.get((bucket, k), _Arm()).samples < self.min_samples]
         if untried:
             return untried[0]
-        best = max(range(self.max_k + 1),
-                   key=lambda k: self.expected_tokens(k) / self._arms[(bucket, k)].seconds)
+        best = self._best(bucket)
         due, interval, last_best, count = self._probe.setdefault(
             bucket, (n + self.explore_every, self.explore_every, best, 0))
         if n < due:
@@ -122,6 +123,16 @@ class AdaptiveK:
         # judged against, so its cost must not go stale while drafting wins
         probes = sorted({k for k in (0, best - 1, best + 1) if 0 <= k <= self.max_k} - {best})
         return probes[count % len(probes)]
+
+    def _best(self, bucket: int) -> int:
+        """The k with the most expected tokens per second among those that beat no drafts
+        by `margin`: estimates are noisy, and a wrong "drafting pays" costs far more than a
+        missed marginal gain (at large batches a step verifying drafts is dear, and sequences
+        that race ahead leave the others decoding in smaller batches)."""
+        rate = [self.expected_tokens(k) / self._arms[(bucket, k)].seconds
+                for k in range(self.max_k + 1)]
+        paying = [k for k in range(1, self.max_k + 1) if rate[k] > rate[0] * (1 + self.margin)]
+        return max(paying, key=lambda k: rate[k], default=0)
 
     # -- measurements ---------------------------------------------------------------------
 
