@@ -97,9 +97,13 @@ class HeadLayer(nn.Module):
         self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+        self.fused: tuple | None = None  # (qkv, gate_up) packed linears, for inference
+        self.fused_ops = None
 
     def forward(self, x, cos, sin, attend) -> torch.Tensor:
         c = self.c
+        if self.fused is not None:
+            return self._forward_fused(x, cos, sin, attend)
         a = rms_norm(x, self.input_layernorm, c.rms_norm_eps)
         q = apply_rotary(self.q_proj(a).view(-1, c.num_heads, c.head_dim), cos, sin)
         k = apply_rotary(self.k_proj(a).view(-1, c.num_kv_heads, c.head_dim), cos, sin)
@@ -107,6 +111,19 @@ class HeadLayer(nn.Module):
         h = x + self.o_proj(attend(q, k, v))
         m = rms_norm(h, self.post_attention_layernorm, c.rms_norm_eps)
         return h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+
+    def _forward_fused(self, x, cos, sin, attend) -> torch.Tensor:
+        """Inference (see `pack_for_inference`): q/k/v and gate/up as one packed linear
+        each, norms and SiLU through the target's ops (its C++ kernels where they build)."""
+        c, ops, (qkv_proj, gate_up_proj) = self.c, self.fused_ops, self.fused
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qkv = qkv_proj(ops.rms_norm(x, self.input_layernorm, c.rms_norm_eps))
+        q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+        q = apply_rotary(q.reshape(-1, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rotary(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        h = x + self.o_proj(attend(q, k, v.reshape(-1, c.num_kv_heads, c.head_dim)))
+        m = ops.rms_norm(h, self.post_attention_layernorm, c.rms_norm_eps)
+        return h + self.down_proj(ops.silu_mul(gate_up_proj(m)))
 
 
 class EagleHead(nn.Module):
@@ -192,8 +209,19 @@ def packed_linear(weight: torch.Tensor) -> Linear:
     return layer
 
 
-def pack_for_inference(head: EagleHead) -> EagleHead:
-    """Swap every nn.Linear of a loaded head for a `packed_linear` (same math)."""
+def pack_for_inference(head: EagleHead, ops=None) -> EagleHead:
+    """Swap every nn.Linear of a loaded head for a `packed_linear` (same math), with q/k/v
+    and gate/up concatenated into one each, and norms and SiLU through `ops` (the target's:
+    kiln.models.layers.ops) when given."""
+    layer = head.layer
+    if ops is not None:
+        cat = torch.cat
+        layer.fused = (packed_linear(cat([layer.q_proj.weight, layer.k_proj.weight,
+                                          layer.v_proj.weight]).data),
+                       packed_linear(cat([layer.gate_proj.weight, layer.up_proj.weight]).data))
+        layer.fused_ops = ops
+        for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            delattr(layer, name)
     for module in list(head.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):

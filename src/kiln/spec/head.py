@@ -34,7 +34,6 @@ from kiln.spec.eagle import (
     load_head,
     pack_for_inference,
     packed_linear,
-    rms_norm,
 )
 from kiln.spec.proposer import Draft, DraftRequest, ProposerContext, register_proposer
 
@@ -99,7 +98,8 @@ class HeadProposer:
     def __init__(self, config, ctx: ProposerContext):
         runner = ctx.target
         model, arch = runner.model, runner.model.arch
-        self.head = pack_for_inference(load_head(config.model, runner.dtype))
+        self.head = pack_for_inference(load_head(config.model, runner.dtype), runner.ops)
+        self.ops = runner.ops
         c = self.head.c
         if (c.hidden_size, c.vocab_size) != (arch.hidden_size, arch.vocab_size):
             raise ValueError(f"head {config.model} was trained for a model with hidden "
@@ -241,7 +241,7 @@ class HeadProposer:
         return self.cos[positions][:, None], self.sin[positions][:, None]
 
     def _pick(self, h: torch.Tensor) -> torch.Tensor:
-        normed = rms_norm(h, self.head.norm, self.head.c.rms_norm_eps)
+        normed = self.ops.rms_norm(h, self.head.norm, self.head.c.rms_norm_eps)
         return self.head.draft_vocab[self.lm(normed).argmax(dim=-1)]
 
     def _chain(self, ctx_len: torch.Tensor, tables: torch.Tensor) -> ChainAttention:
