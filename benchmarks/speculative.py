@@ -5,8 +5,8 @@
 Configurations: off, n-gram, draft model (the `code-draft` preset), code head, prose head
 (presets built by `kiln train-speculator --preset NAME`; missing ones are skipped), and each
 head with `ngram_first` ("+ng": an n-gram match's drafts where the text has one). Domains:
-code prompts (the opening of held-out standard-library files) and prose prompts (the opening
-of held-out pydoc topics), never text the speculators were trained on. Batch 1 runs three
+code prompts (the opening of held-out standard-library files) and prose prompts (windows of
+the held-out pydoc topics), never text the speculators were trained on. Batch 1 runs three
 prompts one after another; batch 8 runs eight together. Greedy decoding with ignore_eos, so
 every configuration emits exactly the same tokens and only the time differs.
 Speed-ups are paired: per repetition, a configuration's rate over "off"'s rate measured
@@ -57,14 +57,14 @@ def code_prompts(tok, n: int, tokens: int) -> list[list[int]]:
 
 
 def prose_prompts(tok, n: int, tokens: int) -> list[list[int]]:
+    """Consecutive `tokens`-token windows of the held-out pydoc topics, round robin (the
+    first window of every topic, then the second ones, ...): there are only 5 held-out
+    topics, and batch 8 needs 8 prompts."""
+    docs = [tok.encode(text, add_special_tokens=False) for text in prose_corpus("heldout")]
     out = []
-    for text in prose_corpus("heldout"):
-        ids = tok.encode(" ".join(text.split()), add_special_tokens=False)
-        if len(ids) >= tokens:
-            out.append(ids[:tokens])
-        if len(out) == n:
-            break
-    return out
+    for start in range(0, max(map(len, docs)), tokens):
+        out += [ids[start:start + tokens] for ids in docs if len(ids) >= start + tokens]
+    return out[:n]
 
 
 @dataclass

@@ -1,0 +1,122 @@
+"""How many drafts each speculator would get accepted, position by position, on the same text.
+
+  python benchmarks/spec_positions.py [--heads code-head prose-head] [--new-tokens 52]
+      [--out benchmarks/results/spec_positions.json]
+
+The default model continues the speculative benchmark's held-out prompts greedily (EOS
+ignored); then, at every position p of each continuation, with the tokens up to p + 1 known
+(the state after a verify step), this asks each speculator for 3 drafts and counts how many
+leading drafts equal the target's next tokens: the accepted length a verify step there would
+get. The head runs exactly as it was trained (unrolled, each draft step fed the true previous
+token, which is what verification sees while drafts are right); the n-gram proposer is kiln's
+own. It also reports "n-gram where it matches, else the head" (what `ngram_first` does) and
+the best of the two per position: an upper bound for any choice between them. Unlike the
+speed benchmark this measures nothing but the speculators, so it is deterministic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kiln import LLM, SamplingParams
+from kiln.config import CacheConfig, ModelConfig, ParallelConfig
+from kiln.engine.core import resolve_model_path
+from kiln.runner.model_runner import ModelRunner
+from kiln.spec.data import TargetRecord, record_target
+from kiln.spec.eagle import lm_head_rows, load_head, rms_norm
+from kiln.spec.ngram import propose_ngram
+from kiln.spec.resolve import speculators_home
+from kiln.spec.train import TrainChain
+
+K = 3
+
+
+def continuations(domain: str, new_tokens: int, prompt_tokens: int) -> torch.Tensor:
+    from speculative import code_prompts, prose_prompts
+
+    llm = LLM(max_model_len=1024, num_threads=2)
+    pick = code_prompts if domain == "code" else prose_prompts
+    prompts = pick(llm.get_tokenizer(), 8, prompt_tokens)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
+                        use_tqdm=False)
+    return torch.tensor([p + o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)])
+
+
+@torch.no_grad()
+def head_drafts(runner, head_dir, tokens: torch.Tensor) -> torch.Tensor:
+    """[b, S - K, K]: the head's K drafts after each position (teacher-forced chain)."""
+    from kiln.models.layers.rotary import RotaryEmbedding
+
+    head = load_head(head_dir, torch.float32)
+    c = head.c
+    record: TargetRecord = record_target(runner, tokens, c.feature_layers)
+    embed = runner.model.model.embed_tokens.weight.float()
+    rows = lm_head_rows(runner.model, head.draft_vocab).float()
+    rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
+                             c.rope_scaling, torch.float32)
+    b, seq = tokens.shape
+    n = seq - K
+    chain = TrainChain(b, n, c)
+    g = head.features(record.features[:, :n].reshape(b * n, -1).float())
+    drafts = []
+    for j in range(1, K + 1):
+        pos = (torch.arange(n) + j - 1).repeat(b)
+        emb = F.embedding(tokens[:, j:j + n].reshape(-1), embed)
+        g = head(g, emb, rotary.cos[pos][:, None], rotary.sin[pos][:, None], chain)
+        logits = F.linear(rms_norm(g, head.norm, c.rms_norm_eps), rows)
+        drafts.append(head.draft_vocab[logits.argmax(-1)].view(b, n))
+    return torch.stack(drafts, dim=-1)
+
+
+def accepted(drafts: list[int], truth: list[int]) -> int:
+    n = 0
+    while n < len(drafts) and n < len(truth) and drafts[n] == truth[n]:
+        n += 1
+    return n
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", nargs="+", default=["code-head", "prose-head"])
+    parser.add_argument("--new-tokens", type=int, default=52)
+    parser.add_argument("--prompt-tokens", type=int, default=96)
+    parser.add_argument("--out", default="spec-positions.json")
+    args = parser.parse_args()
+    path = resolve_model_path(None)
+    runner = ModelRunner(ModelConfig(model=path, dtype="auto"), path, CacheConfig(),
+                         ParallelConfig(2), frozenset())
+    rows = []
+    for domain in ("code", "prose"):
+        tokens = continuations(domain, args.new_tokens, args.prompt_tokens)
+        for name in args.heads:
+            heads = head_drafts(runner, speculators_home() / name, tokens)
+            per = []  # (head, ngram, ngram match length) per position
+            for i, seq in enumerate(tokens.tolist()):
+                for p in range(args.prompt_tokens - 1, len(seq) - K - 1):
+                    truth = seq[p + 2:p + 2 + K]
+                    lookup = propose_ngram(np.asarray(seq[:p + 2]), K, 1, 4)
+                    per.append((accepted(heads[i, p].tolist(), truth), accepted(lookup, truth),
+                                bool(lookup)))
+            r = np.array(per)
+            row = {"domain": domain, "head": name, "positions": len(r),
+                   "head_alone": round(float(r[:, 0].mean()), 3),
+                   "ngram": round(float(r[:, 1].mean()), 3),
+                   "ngram_first": round(float(np.where(r[:, 2], r[:, 1], r[:, 0]).mean()), 3),
+                   "best_of_both": round(float(r[:, :2].max(1).mean()), 3),
+                   "ngram_matches": round(float(r[:, 2].mean()), 3)}
+            rows.append(row)
+            print(row, flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
