@@ -109,6 +109,26 @@ def test_ngram_first_splits_requests_and_stays_lossless(proposer, reference, lla
     assert llm.engine.kv.stats().used_blocks == 0
 
 
+def test_ngram_first_lookup_fills_every_slot_model_gets_k(reference, llama_path, head_path):
+    """With the controller at k = 1, a request with an n-gram match still gets up to
+    num_speculative_tokens lookup drafts (free to propose); the head is asked for 1."""
+    import dataclasses
+
+    _, ps, params, expected = reference
+    llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
+              speculative_config=dataclasses.replace(FORCED, ngram_first=True))
+    spec = llm.engine.speculator
+    spec.adaptive.choose = lambda batch: 1
+    asked, stored = [], []
+    inner_propose, inner_store = spec.proposer.propose, spec._store
+    spec.proposer.propose = lambda sched, wanted: asked.extend(
+        w.max_drafts for w in wanted) or inner_propose(sched, wanted)
+    spec._store = lambda w, draft: stored.append(len(draft.token_ids)) or inner_store(w, draft)
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    assert asked and set(asked) == {1}
+    assert max(stored) == 3
+
+
 def test_draft_model_with_a_draft_vocabulary(reference, llama_path, tmp_path):
     """A draft checkpoint whose speculator.json lists a draft_vocab proposes only those tokens
     (its LM head restricted to their rows); the target's output is unchanged. Here the draft

@@ -69,25 +69,31 @@ class Speculator:
         candidates = self._candidates(sched)
         k = self.adaptive.choose(len(candidates)) if candidates else 0
         wanted = [DraftRequest(r, n) for r in candidates if (n := self._cap(r, k)) > 0]
-        drafts = self._propose(sched, wanted)
+        wanted, drafts = self._propose(sched, wanted)
         for w, draft in zip(wanted, drafts, strict=True):
             self._store(w, draft)
         if finished:
             self.proposer.release(finished)
         self._last = (len(candidates), k, time.perf_counter() - started)
 
-    def _propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]) -> list[Draft]:
-        """The proposer's drafts; with `ngram_first`, a request whose text has an n-gram
+    def _propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]
+                 ) -> tuple[list[DraftRequest], list[Draft]]:
+        """The proposer's drafts. With `ngram_first`, a request whose text has an n-gram
         match takes that match's drafts and the proposer sees only the others (it still sees
-        every step, to follow the target)."""
+        every step, to follow the target); lookup costs nothing to propose, so whenever the
+        controller drafts at all (k >= 1) a match may fill all num_speculative_tokens slots,
+        while k bounds what the model proposes (its cost grows with k)."""
         if not self._lookup:
-            return self.proposer.propose(sched, wanted)
+            return wanted, self.proposer.propose(sched, wanted)
         c = self.config
+        full = [DraftRequest(w.request, self._cap(w.request, c.num_speculative_tokens))
+                for w in wanted]
         found = [propose_ngram(np.asarray(w.request.all_token_ids), w.max_drafts, c.ngram_min,
-                               c.ngram_max) for w in wanted]
+                               c.ngram_max) for w in full]
         rest = iter(self.proposer.propose(sched, [w for w, f in zip(wanted, found, strict=True)
                                                   if not f]))
-        return [Draft(f) if f else next(rest) for f in found]
+        drafts = [Draft(f) if f else next(rest) for f in found]
+        return [lf if f else w for w, lf, f in zip(wanted, full, found, strict=True)], drafts
 
     def _candidates(self, sched: SchedulerOutput) -> list[Request]:
         out = []
