@@ -14,9 +14,8 @@ One round for the requests that want drafts, batched:
   3. k - 1 single-token steps: draft j from draft j - 1.
 Greedy choices come from the whole vocabulary, or, when the checkpoint carries a draft
 vocabulary (`draft_vocab` in its speculator.json, written by `kiln train-speculator --kind
-draft`: the
-target's most frequent choices in the training data), from those rows of the LM head only:
-for a small model the LM head is most of the weights read per step.
+draft`: the target's most frequent choices in the training data), from those rows of the LM
+head only: for a small model the LM head is most of the weights read per step.
 A request whose draft KV cannot be allocated gets no drafts this round (and loses its draft
 cache state); when adaptive speculation pauses drafting, shadows simply lag and catch up later.
 """

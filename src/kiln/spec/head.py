@@ -14,8 +14,9 @@ next drafts (its last output gives draft 1) or when it finishes (so the blocks i
 the prefix cache carry complete head KV) if the head was drafting for it up to the end (at
 most FINISH_CATCH_UP positions pending): a request that was not (adaptive speculation kept
 drafting off but for a probe or two) would pay a head forward over most of its text at the end
-for nothing but possible later prefix hits, so those positions' head KV is zeroed instead. Requests that leave without running a step (an abort between steps) drop their
-pending positions: their blocks may already be reused.
+for nothing but possible later prefix hits, so those positions' head KV is zeroed instead.
+Requests that leave without running a step (an abort between steps) drop their pending
+positions: their blocks may already be reused.
 """
 
 from __future__ import annotations
