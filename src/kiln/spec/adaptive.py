@@ -25,8 +25,9 @@ speculator that does not pay costs at most (cost(b, 1) / cost(b, 0) - 1) / inter
 the unit tests' synthetic machine, 96 rather than a fixed 24 cuts that overhead from 4.2% to
 1.1% and takes 1,204 rather than 772 steps to switch a speculator back on when its drafts start
 being accepted; the 10% margin drafting must promise over k = 0 makes that 2,015 steps (and
-keeps a draft model drafting at batch 8 on this machine, where it cost 10-17%, off). (A head's probe is dearer than its k = 1 step suggests: it first catches up on
-every position it skipped. At fixed 1-in-24 probes heads ran at 0.93-0.94x of off at batch 8
+keeps a draft model drafting at batch 8 on this machine, where it cost 10-17%, off). (A head's
+probe is dearer than its k = 1 step suggests: it first catches up on every position it
+skipped. At fixed 1-in-24 probes heads ran at 0.93-0.94x of off at batch 8
 on this machine; BENCHMARKS.md.)
 """
 
