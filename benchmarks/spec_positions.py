@@ -21,17 +21,16 @@ import json
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from kiln import LLM, SamplingParams
 from kiln.config import CacheConfig, ModelConfig, ParallelConfig
 from kiln.engine.core import resolve_model_path
 from kiln.runner.model_runner import ModelRunner
 from kiln.spec.data import TargetRecord, record_target
-from kiln.spec.eagle import lm_head_rows, load_head, rms_norm
+from kiln.spec.eagle import lm_head_rows, load_head
 from kiln.spec.ngram import propose_ngram
 from kiln.spec.resolve import speculators_home
-from kiln.spec.train import TrainChain
+from kiln.spec.train import unroll
 
 K = 3
 
@@ -61,16 +60,9 @@ def head_drafts(runner, head_dir, tokens: torch.Tensor) -> torch.Tensor:
     rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                              c.rope_scaling, torch.float32)
     b, seq = tokens.shape
-    n = seq - K
-    chain = TrainChain(b, n, c)
-    g = head.features(record.features[:, :n].reshape(b * n, -1).float())
-    drafts = []
-    for j in range(1, K + 1):
-        pos = (torch.arange(n) + j - 1).repeat(b)
-        emb = F.embedding(tokens[:, j:j + n].reshape(-1), embed)
-        g = head(g, emb, rotary.cos[pos][:, None], rotary.sin[pos][:, None], chain)
-        logits = F.linear(rms_norm(g, head.norm, c.rms_norm_eps), rows)
-        drafts.append(head.draft_vocab[logits.argmax(-1)].view(b, n))
+    drafts = [head.draft_vocab[logits.argmax(-1)].view(b, seq - K)
+              for _, logits in unroll(head, record.features, tokens, K, embed, rows,
+                                      rotary.cos, rotary.sin)]
     return torch.stack(drafts, dim=-1)
 
 

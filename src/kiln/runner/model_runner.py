@@ -111,11 +111,17 @@ class ModelRunner:
     # -- one step -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def forward(self, sched: SchedulerOutput) -> tuple[BatchInputs, torch.Tensor]:
+        """The step's batch and final hidden states [T, H] (KV written), before the LM head:
+        `execute` samples from them; a draft model's proposer scores a draft vocabulary."""
         self.release(sched.finished_ids)
         batch = build_batch(sched)
         meta = self.backend.build_metadata(batch.layout, batch.positions, self.kv_spec.block_size)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, meta)
+        return batch, self.model(batch.input_ids, batch.positions, self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        batch, hidden = self.forward(sched)
         if self.keep_hidden:  # a speculator (kiln.spec) reads this step's hidden states
             self.last_step = StepHidden(batch, hidden)
         logits = self.model.compute_logits(hidden[batch.logits_index]).float()

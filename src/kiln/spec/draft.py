@@ -30,7 +30,6 @@ import torch
 from kiln.engine.kv_manager import KVCacheManager
 from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
-from kiln.runner.batch import build_batch
 from kiln.sampling_params import SamplingParams
 from kiln.spec.proposer import Draft, DraftRequest, ProposerContext, register_proposer
 
@@ -168,11 +167,6 @@ class DraftModelProposer:
         """The runner's step, with the greedy choice over the draft vocabulary only: the LM
         head is most of a small model's weights, and the target's choices come from a few
         thousand tokens."""
-        runner = self.runner
-        runner.release(sched.finished_ids)
-        batch = build_batch(sched)
-        meta = runner.backend.build_metadata(batch.layout, batch.positions,
-                                             runner.kv_spec.block_size)
-        hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, meta)
+        batch, hidden = self.runner.forward(sched)
         best = self.vocab[self.lm(hidden[batch.logits_index]).argmax(dim=-1)]
         return [[t] for t in best.tolist()]

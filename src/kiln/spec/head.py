@@ -73,7 +73,7 @@ class _Pending:
     item: ScheduledRequest  # where it was last scheduled: live token lists and block table
     step: int  # the round it was last scheduled in
     feats: list[torch.Tensor] = field(default_factory=list)  # [n_i, F] chunks, in order
-    end: int = -1  # start + positions held
+    end: int = field(init=False)  # start + positions held
 
     def __post_init__(self):
         self.end = self.start

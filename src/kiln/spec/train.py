@@ -111,6 +111,24 @@ class TrainChain:
         return out.transpose(1, 2).reshape(b * n, c.num_heads * c.head_dim)
 
 
+def unroll(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, steps: int,
+           embed: torch.Tensor, lm_rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The head unrolled over `steps` draft steps at every position p < S - steps of [b, S]
+    sequences (`feats` [b, S, F] the target's features), as it drafts at inference: step j
+    reads token t_{p+j} and the previous step's output (step 1: the target's features at p).
+    Yields (h [b * n, H], draft-vocabulary logits [b * n, Vd]) per step; step j's logits
+    guess t_{p+j+1}."""
+    b, seq = tokens.shape
+    n = seq - steps
+    chain = TrainChain(b, n, head.c)
+    g = head.features(feats[:, :n].reshape(b * n, -1).float())
+    for j in range(1, steps + 1):
+        pos = (torch.arange(n) + j - 1).repeat(b)
+        emb = F.embedding(tokens[:, j:j + n].reshape(-1), embed)
+        g = head(g, emb, cos[pos][:, None], sin[pos][:, None], chain)
+        yield g, head.logits(g, lm_rows)
+
+
 class HeadTrainer:
     def __init__(self, model, record: TargetRecord, cfg: TrainConfig, target_name: str = ""):
         from kiln.models.layers.rotary import RotaryEmbedding
@@ -148,15 +166,12 @@ class HeadTrainer:
                                  self.record.features[idx])
         b, seq = tokens.shape
         n = seq - steps
-        chain = TrainChain(b, n, self.head.c)
-        g = self.head.features(feats[:, :n].reshape(b * n, -1).float())
         total, accuracy = torch.zeros(()), []
         keep = torch.ones(b * n, dtype=torch.bool)
-        for j in range(1, steps + 1):
-            pos = (torch.arange(n) + j - 1).repeat(b)
-            emb = F.embedding(tokens[:, j:j + n].reshape(-1), self.embed)
-            h = self.head(g, emb, self.cos[pos][:, None], self.sin[pos][:, None], chain)
-            logits = self.head.logits(h, self.lm_rows).float()
+        unrolled = unroll(self.head, feats, tokens, steps, self.embed, self.lm_rows, self.cos,
+                          self.sin)
+        for j, (h, logits) in enumerate(unrolled, start=1):
+            logits = logits.float()
             want = labels[:, j:j + n].reshape(-1)
             if self.cfg.consistent_only:  # the input token is what the target chose there
                 keep = keep & (labels[:, j - 1:j - 1 + n].reshape(-1) == tokens[:, j:j + n]
@@ -167,7 +182,6 @@ class HeadTrainer:
             total = total + 0.8 ** (j - 1) * step_loss
             hit = (self.head.draft_vocab[logits.argmax(-1)] == want)[keep]
             accuracy.append(float(hit.float().mean()) if len(hit) else 0.0)
-            g = h
         return total, accuracy
 
     def _step_loss(self, h, logits, want, keep, target_feature) -> torch.Tensor:
