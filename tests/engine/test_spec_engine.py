@@ -109,24 +109,32 @@ def test_ngram_first_splits_requests_and_stays_lossless(proposer, reference, lla
     assert llm.engine.kv.stats().used_blocks == 0
 
 
-def test_ngram_first_lookup_fills_every_slot_model_gets_k(reference, llama_path, head_path):
-    """With the controller at k = 1, a request with an n-gram match still gets up to
-    num_speculative_tokens lookup drafts (free to propose); the head is asked for 1."""
+@pytest.mark.parametrize(("k_model", "k_lookup"), [(1, 3), (3, 2)])
+def test_ngram_first_lookup_and_model_each_draft_their_own_k(k_model, k_lookup, reference,
+                                                             llama_path, head_path):
+    """With ngram_first the lookup's drafts and the head's get a k each (lookup costs
+    nothing to propose, the head does), and each controller learns its own acceptance."""
     import dataclasses
 
     _, ps, params, expected = reference
     llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
               speculative_config=dataclasses.replace(FORCED, ngram_first=True))
     spec = llm.engine.speculator
-    spec.adaptive.choose = lambda batch: 1
-    asked, stored = [], []
+    spec.adaptive.choose = lambda batch: k_model
+    spec.lookup.choose = lambda batch: k_lookup
+    asked, stored = [], {"model": [], "lookup": []}
     inner_propose, inner_store = spec.proposer.propose, spec._store
     spec.proposer.propose = lambda sched, wanted: asked.extend(
         w.max_drafts for w in wanted) or inner_propose(sched, wanted)
-    spec._store = lambda w, draft: stored.append(len(draft.token_ids)) or inner_store(w, draft)
+    spec._store = lambda w, draft, source: stored[
+        "lookup" if source is spec.lookup else "model"].append(len(draft.token_ids)) or (
+        inner_store(w, draft, source))
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
-    assert asked and set(asked) == {1}
-    assert max(stored) == 3
+    assert asked and max(asked) == k_model
+    assert max(stored["lookup"]) == k_lookup and max(stored["model"]) <= k_model
+    assert spec.adaptive._tried[0] > 0 and spec.lookup._tried[0] > 0
+    # the untrained head is rarely right, lookup on these repetitive prompts often
+    assert spec.lookup.acceptance(1) > spec.adaptive.acceptance(1)
 
 
 def test_draft_model_with_a_draft_vocabulary(reference, llama_path, tmp_path):

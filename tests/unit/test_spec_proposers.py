@@ -107,6 +107,21 @@ def test_adaptive_follows_acceptance_down():
     assert chosen[-100:].count(0) >= 90
 
 
+def test_two_controllers_share_the_no_drafts_baseline():
+    """ngram_first's lookup and model controllers: "no drafts" is measured once for both,
+    drafting arms and acceptance stay each one's own."""
+    model, lookup = AdaptiveK(max_k=3), AdaptiveK(max_k=3)
+    lookup.share_baseline(model)
+    model.observe_cost(1, 0, 1.0)
+    lookup.observe_cost(1, 2, 1.2)
+    assert lookup.cost(1, 0) == model.cost(1, 0) == 1.0
+    assert lookup.cost(1, 2) == 1.2 and model.cost(1, 2) is None
+    # cheap, well-accepted lookup drafts fully; a dear, rarely right model switches off
+    drive(lookup, 1, lambda b, k: 1.0 + 0.1 * k, accept_len=3, steps=300)
+    chosen = drive(model, 1, lambda b, k: 1.0 + 0.4 * k, accept_len=0, steps=300)
+    assert lookup.choose(1) == 3 and chosen[-100:].count(0) >= 90
+
+
 def test_adaptive_off_always_asks_for_k_and_caps_batch():
     assert AdaptiveK(max_k=3, enabled=False).choose(64) == 3
     capped = AdaptiveK(max_k=3, max_batch_size=4)

@@ -67,7 +67,8 @@ class AdaptiveK:
     min_samples: int = 3  # measurements before an arm is trusted
     margin: float = 0.1  # drafting must promise this much more than no drafts
     acceptance_decay: float = 0.995  # per verified draft: old evidence fades
-    _arms: dict[tuple[int, int], _Arm] = field(default_factory=dict)
+    _arms: dict[tuple[int, int], _Arm] = field(default_factory=dict)  # (bucket, k >= 1)
+    _baseline: dict[int, _Arm] = field(default_factory=dict)  # bucket -> the k = 0 arm
     _tried: list[float] = field(default_factory=list)  # per draft position (decayed counts)
     _accepted: list[float] = field(default_factory=list)
     _steps: dict[int, int] = field(default_factory=dict)  # decisions per bucket
@@ -94,8 +95,19 @@ class AdaptiveK:
         return total
 
     def cost(self, batch_size: int, k: int) -> float | None:
-        arm = self._arms.get((batch_bucket(batch_size), k))
-        return arm.seconds if arm and arm.samples else None
+        arm = self._arm(batch_bucket(batch_size), k)
+        return arm.seconds if arm.samples else None
+
+    def _arm(self, bucket: int, k: int) -> _Arm:
+        if k == 0:
+            return self._baseline.setdefault(bucket, _Arm())
+        return self._arms.setdefault((bucket, k), _Arm())
+
+    def share_baseline(self, other: AdaptiveK) -> None:
+        """Measure "no drafts" together with `other`: two controllers choosing k for two
+        sources of drafts (n-gram lookup and a model) in one engine share the baseline
+        every drafting arm is judged against."""
+        self._baseline = other._baseline
 
     # -- decisions ------------------------------------------------------------------------
 
@@ -109,7 +121,7 @@ class AdaptiveK:
         bucket = batch_bucket(batch_size)
         n = self._steps[bucket] = self._steps.get(bucket, 0) + 1
         untried = [k for k in range(self.max_k, -1, -1)
-                   if self._arms.get((bucket, k), _Arm()).samples < self.min_samples]
+                   if self._arm(bucket, k).samples < self.min_samples]
         if untried:
             return untried[0]
         best = self._best(bucket)
@@ -130,7 +142,7 @@ class AdaptiveK:
         by `margin`: estimates are noisy, and a wrong "drafting pays" costs far more than a
         missed marginal gain (at large batches a step verifying drafts is dear, and sequences
         that race ahead leave the others decoding in smaller batches)."""
-        rate = [self.expected_tokens(k) / self._arms[(bucket, k)].seconds
+        rate = [self.expected_tokens(k) / self._arm(bucket, k).seconds
                 for k in range(self.max_k + 1)]
         paying = [k for k in range(1, self.max_k + 1) if rate[k] > rate[0] * (1 + self.margin)]
         return max(paying, key=lambda k: rate[k], default=0)
@@ -140,7 +152,7 @@ class AdaptiveK:
     def observe_cost(self, batch_size: int, k: int, seconds: float) -> None:
         """One decode-only step of `batch_size` sequences verifying `k` drafts each. Kept per
         sequence, so batch sizes sharing a bucket compare."""
-        arm = self._arms.setdefault((batch_bucket(batch_size), k), _Arm())
+        arm = self._arm(batch_bucket(batch_size), k)
         arm.recent.append(seconds / batch_size)
         arm.samples += 1
 

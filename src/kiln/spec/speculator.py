@@ -8,7 +8,8 @@
   3. the proposer guesses up to k tokens for each running request that just sampled, capped
      so a draft never sits past `max_tokens` (the bonus token needs the last slot) or
      `max_model_len` (with `ngram_first`, requests whose text has an n-gram match take its
-     drafts instead: on text that repeats itself, lookup beats a small model);
+     drafts instead, with a k of their own: on text that repeats itself, lookup beats a
+     small model);
   4. each guess passes `draft_filter`, the seam for structured output (a grammar keeps the
      drafts it accepts), and lands in `request.spec_token_ids` (and `spec_draft_probs`),
      where the scheduler picks it up as extra query tokens.
@@ -53,13 +54,24 @@ class Speculator:
         self.scheduler = scheduler
         self.max_model_len = ctx.max_model_len
         self.proposer = build_proposer(config, ctx)
-        self.adaptive = AdaptiveK(config.num_speculative_tokens, config.adaptive,
-                                  config.max_batch_size)
+        self.adaptive = self._controller()  # k of the proposer's drafts
+        # with ngram_first, lookup's drafts get their own k: they cost nothing to propose
+        # and are accepted far more often than a small model's where there is a match, so
+        # one k for both would draft too little from one source or too much from the other
+        self.lookup: AdaptiveK | None = None
+        if config.ngram_first and config.method != "ngram":
+            self.lookup = self._controller()
+            self.lookup.share_baseline(self.adaptive)
         self.draft_filter: DraftFilter | None = None
         self.stats = SpecStats()
-        self._asked: dict[str, tuple[int, int]] = {}  # request -> (drafts asked, proposed)
-        self._last: tuple[int, int, float] | None = None  # (batch, k, propose seconds)
-        self._lookup = config.ngram_first and config.method != "ngram"
+        # request -> (drafts asked, proposed, the controller whose k it was)
+        self._asked: dict[str, tuple[int, int, AdaptiveK]] = {}
+        self._last: tuple[int, AdaptiveK, int, float] | None = None  # (batch, controller,
+        # k, propose seconds) of the step the last round planned
+
+    def _controller(self) -> AdaptiveK:
+        c = self.config
+        return AdaptiveK(c.num_speculative_tokens, c.adaptive, c.max_batch_size)
 
     def after_step(self, sched: SchedulerOutput, outputs: list[EngineCoreOutput],
                    step_seconds: float) -> None:
@@ -67,33 +79,42 @@ class Speculator:
         finished = self._observe(sched, outputs, step_seconds)
         started = time.perf_counter()
         candidates = self._candidates(sched)
-        k = self.adaptive.choose(len(candidates)) if candidates else 0
-        wanted = [DraftRequest(r, n) for r in candidates if (n := self._cap(r, k)) > 0]
-        wanted, drafts = self._propose(sched, wanted)
-        for w, draft in zip(wanted, drafts, strict=True):
-            self._store(w, draft)
+        if self.lookup is None:
+            k = self.adaptive.choose(len(candidates)) if candidates else 0
+            wanted = [DraftRequest(r, n) for r in candidates if (n := self._cap(r, k)) > 0]
+            drafts = self.proposer.propose(sched, wanted)
+            sources, planned = [self.adaptive] * len(wanted), (self.adaptive, k)
+        else:
+            wanted, drafts, sources, planned = self._propose_lookup_first(sched, candidates)
+        for w, draft, source in zip(wanted, drafts, sources, strict=True):
+            self._store(w, draft, source)
         if finished:
             self.proposer.release(finished)
-        self._last = (len(candidates), k, time.perf_counter() - started)
+        self._last = (len(candidates), *planned, time.perf_counter() - started)
 
-    def _propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]
-                 ) -> tuple[list[DraftRequest], list[Draft]]:
-        """The proposer's drafts. With `ngram_first`, a request whose text has an n-gram
-        match takes that match's drafts and the proposer sees only the others (it still sees
-        every step, to follow the target); lookup costs nothing to propose, so whenever the
-        controller drafts at all (k >= 1) a match may fill all num_speculative_tokens slots,
-        while k bounds what the model proposes (its cost grows with k)."""
-        if not self._lookup:
-            return wanted, self.proposer.propose(sched, wanted)
-        c = self.config
-        full = [DraftRequest(w.request, self._cap(w.request, c.num_speculative_tokens))
-                for w in wanted]
-        found = [propose_ngram(np.asarray(w.request.all_token_ids), w.max_drafts, c.ngram_min,
-                               c.ngram_max) for w in full]
-        rest = iter(self.proposer.propose(sched, [w for w, f in zip(wanted, found, strict=True)
-                                                  if not f]))
-        drafts = [Draft(f) if f else next(rest) for f in found]
-        return [lf if f else w for w, lf, f in zip(wanted, full, found, strict=True)], drafts
+    def _propose_lookup_first(self, sched: SchedulerOutput, candidates: list[Request]):
+        """`ngram_first`: a request whose text has an n-gram match takes that match's drafts
+        (up to the lookup controller's k), the proposer drafts for the others (up to its own
+        k; it still sees every step, to follow the target). Returns the wanted drafts, the
+        drafts, each one's controller, and (controller, k) the step's cost is booked to:
+        the proposer's when it drafted (its time is in the step), else lookup's."""
+        c, batch = self.config, len(candidates)
+        found = [propose_ngram(np.asarray(r.all_token_ids),
+                               self._cap(r, c.num_speculative_tokens), c.ngram_min,
+                               c.ngram_max) for r in candidates]
+        matched = [(r, f) for r, f in zip(candidates, found, strict=True) if f]
+        rest = [r for r, f in zip(candidates, found, strict=True) if not f]
+        k_model = self.adaptive.choose(batch) if rest else 0
+        k_lookup = self.lookup.choose(batch) if matched else 0
+        to_model = [DraftRequest(r, n) for r in rest if (n := self._cap(r, k_model)) > 0]
+        model_drafts = self.proposer.propose(sched, to_model)
+        to_lookup = [DraftRequest(r, self._cap(r, k_lookup)) for r, _ in matched if k_lookup]
+        wanted = to_model + to_lookup
+        drafts = model_drafts + [Draft(f[:k_lookup]) for _, f in matched if k_lookup]
+        sources = [self.adaptive] * len(to_model) + [self.lookup] * len(to_lookup)
+        planned = ((self.adaptive, k_model) if to_model or not to_lookup
+                   else (self.lookup, k_lookup))
+        return wanted, drafts, sources, planned
 
     def _candidates(self, sched: SchedulerOutput) -> list[Request]:
         out = []
@@ -110,14 +131,14 @@ class Speculator:
             k = min(k, request.params.max_tokens - request.num_output_tokens - 1)
         return max(0, k)
 
-    def _store(self, wanted: DraftRequest, draft: Draft) -> None:
+    def _store(self, wanted: DraftRequest, draft: Draft, source: AdaptiveK) -> None:
         request, tokens = wanted.request, draft.token_ids[:wanted.max_drafts]
         if tokens and self.draft_filter is not None:
             tokens = tokens[:self.draft_filter(request, tokens)]
         request.spec_token_ids = tokens
         request.spec_draft_probs = (draft.probs[:len(tokens)]
                                     if tokens and draft.probs is not None else None)
-        self._asked[request.request_id] = (wanted.max_drafts, len(tokens))
+        self._asked[request.request_id] = (wanted.max_drafts, len(tokens), source)
 
     def _observe(self, sched: SchedulerOutput, outputs: list[EngineCoreOutput],
                  step_seconds: float) -> list[str]:
@@ -127,7 +148,7 @@ class Speculator:
             asked = self._asked.pop(out.request_id, None)
             if asked is not None and (out.new_token_ids or out.num_draft_tokens):
                 num_asked = asked[0] if out.num_draft_tokens == asked[1] else out.num_draft_tokens
-                self.adaptive.observe_acceptance(num_asked, out.num_accepted_tokens)
+                asked[2].observe_acceptance(num_asked, out.num_accepted_tokens)
             if out.num_draft_tokens:
                 self.stats.num_draft_tokens += out.num_draft_tokens
                 self.stats.num_accepted_tokens += out.num_accepted_tokens
@@ -137,8 +158,8 @@ class Speculator:
         for rid in finished:
             self._asked.pop(rid, None)
         if self._last is not None and _decode_only(sched, self._last[0]):
-            batch, k, propose_seconds = self._last
-            self.adaptive.observe_cost(batch, k, step_seconds + propose_seconds)
+            batch, controller, k, propose_seconds = self._last
+            controller.observe_cost(batch, k, step_seconds + propose_seconds)
         return finished
 
 
