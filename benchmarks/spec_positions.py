@@ -10,7 +10,8 @@ leading drafts equal the target's next tokens: the accepted length a verify step
 get. The head runs exactly as it was trained (unrolled, each draft step fed the true previous
 token, which is what verification sees while drafts are right); the n-gram proposer is kiln's
 own. It also reports "n-gram where it matches, else the head" (what `ngram_first` does) and
-the best of the two per position: an upper bound for any choice between them. Unlike the
+the best of the two per position: an upper bound for any choice between them, and both
+speculators' figures by the length of the n-gram match (0 = none). Unlike the
 speed benchmark this measures nothing but the speculators, so it is deterministic.
 """
 
@@ -73,6 +74,12 @@ def accepted(drafts: list[int], truth: list[int]) -> int:
     return n
 
 
+def match_length(seq: list[int], n_max: int = 4) -> int:
+    """The longest suffix (up to n_max tokens) with an earlier occurrence: 0 = no match."""
+    tokens = np.asarray(seq)
+    return next((n for n in range(n_max, 0, -1) if propose_ngram(tokens, K, n, n)), 0)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,14 +102,19 @@ def main() -> int:
                     truth = seq[p + 2:p + 2 + K]
                     lookup = propose_ngram(np.asarray(seq[:p + 2]), K, 1, 4)
                     per.append((accepted(heads[i, p].tolist(), truth), accepted(lookup, truth),
-                                bool(lookup)))
+                                bool(lookup), match_length(seq[:p + 2])))
             r = np.array(per)
             row = {"domain": domain, "head": name, "positions": len(r),
                    "head_alone": round(float(r[:, 0].mean()), 3),
                    "ngram": round(float(r[:, 1].mean()), 3),
                    "ngram_first": round(float(np.where(r[:, 2], r[:, 1], r[:, 0]).mean()), 3),
                    "best_of_both": round(float(r[:, :2].max(1).mean()), 3),
-                   "ngram_matches": round(float(r[:, 2].mean()), 3)}
+                   "ngram_matches": round(float(r[:, 2].mean()), 3),
+                   # match length -> [positions, head alone, n-gram]: mean accepted there
+                   "by_match_length": {int(n): [int((r[:, 3] == n).sum()),
+                                                round(float(r[r[:, 3] == n, 0].mean()), 3),
+                                                round(float(r[r[:, 3] == n, 1].mean()), 3)]
+                                       for n in np.unique(r[:, 3])}}
             rows.append(row)
             print(row, flush=True)
     with open(args.out, "w") as f:

@@ -7,7 +7,11 @@ Configurations: off, n-gram, draft model (the `code-draft` preset), code head, p
 head with `ngram_first` ("+ng": an n-gram match's drafts where the text has one). Domains:
 code prompts (the opening of held-out standard-library files) and prose prompts (windows of
 the held-out pydoc topics), never text the speculators were trained on. Batch 1 runs three
-prompts one after another; batch 8 runs eight together. Greedy decoding with ignore_eos, so
+prompts one after another; batch 8 runs eight together (a closed batch: timed to its last
+token, so it includes the ragged end where sequences that drafted well are done and the rest
+decode in a smaller batch); batch 8 sustained queues sixteen for eight slots (finished ones
+are refilled, as on a server under load) and times only the steps where eight sequences
+decode and none prefills. Greedy decoding with ignore_eos, so
 every configuration emits exactly the same tokens and only the time differs.
 Speed-ups are paired: per repetition, a configuration's rate over "off"'s rate measured
 moments apart in the same case, then the median over repetitions.
@@ -109,6 +113,38 @@ def decode(llm: LLM, prompts: list[list[int]], max_tokens: int) -> Run:
                *(a - b for a, b in zip(after, before, strict=True)))
 
 
+def decode_sustained(llm: LLM, prompts: list[list[int]], max_tokens: int, width: int) -> Run:
+    """Queue every prompt at once with room for `width` sequences, so finished requests'
+    slots are refilled (as a server under load sees); time only the steps where `width`
+    sequences decode and nothing prefills: decode speed at that batch size, without the
+    ragged end of a closed batch (where requests that drafted well finish first and the last
+    steps run nearly empty)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    before = _spec_counts(llm)
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(request_id=f"s{time.monotonic_ns()}-{i}",
+                                         prompt_token_ids=p, params=params))
+    planned, inner = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: planned.append(inner()) or planned[-1]
+    tokens, seconds, cpu = 0, 0.0, 0.0
+    try:
+        while engine.has_unfinished():
+            started, started_cpu = time.perf_counter(), time.process_time()
+            outputs = engine.step()
+            sched = planned.pop()
+            if len(sched.scheduled) == width and all(
+                    item.samples and len(item.token_ids) == 1 + item.num_draft_tokens
+                    for item in sched.scheduled):
+                seconds += time.perf_counter() - started
+                cpu += time.process_time() - started_cpu
+                tokens += sum(len(out.new_token_ids) for out in outputs)
+    finally:
+        engine.scheduler.schedule = inner
+    after = _spec_counts(llm)
+    return Run(tokens, seconds, cpu, *(a - b for a, b in zip(after, before, strict=True)))
+
+
 def _first(out, engine) -> bool:
     request = engine.scheduler.requests.get(out.request_id)
     return request is None or request.num_output_tokens == len(out.new_token_ids)
@@ -131,10 +167,19 @@ def build(name: str, speculator: str | None, args) -> LLM | None:
                if name.endswith("+ng") else None)
 
 
-def cases(prompts: dict[str, list[list[int]]], batch1_prompts: int):
+BATCHES = ("1", "8", "8 sustained")
+
+
+def cases(prompts: dict[str, list[list[int]]], batch1_prompts: int, max_tokens: int):
+    """(domain, batch label, run): batch 1 = prompts one by one; batch 8 = eight together
+    (a closed batch, timed to its last token); batch 8 sustained = sixteen queued for eight
+    slots, timed over the full-batch decode steps."""
     for domain, ps in prompts.items():
-        yield domain, 1, [[p] for p in ps[:batch1_prompts]]  # batch 1: one by one
-        yield domain, 8, [ps[:8]]
+        yield domain, "1", lambda llm, ps=ps: [decode(llm, [p], max_tokens)
+                                              for p in ps[:batch1_prompts]]
+        yield domain, "8", lambda llm, ps=ps: [decode(llm, ps[:8], max_tokens)]
+        yield domain, "8 sustained", lambda llm, ps=ps: [
+            decode_sustained(llm, ps[:16], max_tokens, 8)]
 
 
 def main() -> int:
@@ -152,23 +197,23 @@ def main() -> int:
     args = parser.parse_args()
     llms = {n: llm for n in args.configs if (llm := build(n, CONFIGS[n], args)) is not None}
     tok = next(iter(llms.values())).get_tokenizer()
-    prompts = {"code": code_prompts(tok, 8, args.prompt_tokens),
-               "prose": prose_prompts(tok, 8, args.prompt_tokens)}
+    prompts = {"code": code_prompts(tok, 16, args.prompt_tokens),
+               "prose": prose_prompts(tok, 16, args.prompt_tokens)}
     runs: dict[tuple, list[Run]] = {}
     run_log: list[dict] = []
     for rep in range(args.reps + 1):  # rep 0 warms every configuration up
         order = list(llms)
         random.Random(rep).shuffle(order)
-        for domain, batch, groups in cases(prompts, args.batch1_prompts):
+        tokens = args.max_tokens if rep else args.warmup_tokens
+        for domain, batch, measure in cases(prompts, args.batch1_prompts, tokens):
             for name in order:
-                tokens = args.max_tokens if rep else args.warmup_tokens
-                parts = [decode(llms[name], g, tokens) for g in groups]
+                parts = measure(llms[name])
                 run = Run(*(sum(getattr(p, f) for p in parts) for f in Run.__dataclass_fields__))
                 run_log.append({"rep": rep, "domain": domain, "batch": batch, "config": name,
                                 **vars(run)})
                 if rep:
                     runs.setdefault((name, domain, batch), []).append(run)
-                print(f"rep {rep} {domain:5s} batch {batch} {name:10s} "
+                print(f"rep {rep} {domain:5s} batch {batch:11s} {name:13s} "
                       f"{run.tokens_per_s:6.1f} tok/s", flush=True)
     report(runs, list(llms), args, run_log)
     return 0
@@ -184,7 +229,7 @@ def paired(runs: list[Run], base: list[Run], field: str) -> float:
 def report(runs: dict[tuple, list[Run]], names: list[str], args, run_log: list[dict]) -> None:
     rows = []
     for domain in ("code", "prose"):
-        for batch in (1, 8):
+        for batch in BATCHES:
             base = runs[("off", domain, batch)]
             for name in names:
                 rs = runs[(name, domain, batch)]

@@ -38,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kind", choices=("head", "draft"), default=None)
     p.add_argument("--out", default=None, help="output directory")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="training tokens (default: 524288 with --self-distill, else 65536)")
+                   help="training tokens (default with --self-distill: 1048576 for a head, "
+                        "524288 for a draft model; else 65536)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--doc-tokens", type=int, default=2048,
                    help="at most this many tokens from each document (corpus variety)")
@@ -108,7 +109,8 @@ def _apply_preset(args: argparse.Namespace) -> None:
     if args.answer_tokens is None:
         args.answer_tokens = 160 if args.self_distill else 256
     if args.max_tokens is None:
-        args.max_tokens = 524288 if args.self_distill else 65536
+        args.max_tokens = ((1048576 if args.kind == "head" else 524288) if args.self_distill
+                           else 65536)
     if args.self_distill and args.prompts:
         raise CliError("--self-distill continues openings of --data/--domain texts; "
                        "--prompts are answered by the target already")
