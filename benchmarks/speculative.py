@@ -163,8 +163,10 @@ def build(name: str, speculator: str | None, args) -> LLM | None:
         return None
     return LLM(max_model_len=1024, kv_cache_memory=96 << 20, max_num_seqs=8,
                num_threads=args.threads, speculator=speculator,
-               speculative_config=SpeculativeConfig(ngram_first=True)
-               if name.endswith("+ng") else None)
+               speculative_config=SpeculativeConfig(
+                   ngram_first=name.endswith("+ng"),
+                   num_speculative_tokens=args.num_speculative_tokens)
+               if speculator else None)
 
 
 BATCHES = ("1", "8", "8 sustained")
@@ -192,6 +194,8 @@ def main() -> int:
                         help="tokens per request in the untimed first pass")
     parser.add_argument("--prompt-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--num-speculative-tokens", type=int, default=3,
+                        help="most drafts per sequence per step (k)")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
     parser.add_argument("--out", default="speculative-results.json")
     args = parser.parse_args()
@@ -245,7 +249,7 @@ def report(runs: dict[tuple, list[Run]], names: list[str], args, run_log: list[d
                              if steps else None,
                              "all": [round(r.tokens_per_s, 2) for r in rs]})
     print("\n| domain | batch | config | decode tok/s | vs off | tok per CPU-s | vs off | "
-          "accepted/verify (of 3) |")
+          f"accepted/verify (of {args.num_speculative_tokens}) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         acc = "-" if r["mean_accepted"] is None else f"{r['mean_accepted']:.2f}"
