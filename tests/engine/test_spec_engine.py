@@ -86,6 +86,26 @@ def test_greedy_is_token_identical_with_each_proposer(proposer, reference, llama
     assert llm.engine.kv.stats().used_blocks == 0 and llm.engine.kv.stats().hit_tokens > 0
 
 
+def test_request_metrics_count_drafts_per_position(reference, llama_path):
+    """RequestOutput.metrics: totals and per-draft-position counts agree with each other and
+    with the engine's totals; a later position is never drafted or accepted more often."""
+    _, ps, params, _ = reference
+    llm = LLM(llama_path, dtype="float32", num_threads=1, speculator="ngram",
+              speculative_config=FORCED)
+    metrics = [o.metrics for o in llm.generate(ps, params, use_tqdm=False) if o.metrics]
+    assert metrics
+    for m in metrics:
+        drafted, accepted = m["drafted_per_position"], m["accepted_per_position"]
+        assert sum(drafted) == m["num_draft_tokens"] and drafted[0] == m["num_verify_steps"]
+        assert sum(accepted) == m["num_accepted_tokens"] and len(drafted) <= 3
+        assert all(a <= d for a, d in zip(accepted, drafted, strict=False))
+        assert drafted == sorted(drafted, reverse=True)
+        assert accepted == sorted(accepted, reverse=True)
+    stats = llm.engine.speculator.stats
+    assert sum(m["num_accepted_tokens"] for m in metrics) == stats.num_accepted_tokens
+    assert sum(m["num_draft_tokens"] for m in metrics) == stats.num_draft_tokens
+
+
 @pytest.mark.parametrize("proposer", ["draft", "head"])
 def test_ngram_first_splits_requests_and_stays_lossless(proposer, reference, llama_path,
                                                         draft_path, head_path):

@@ -22,5 +22,11 @@ def test_served_speculation_reports_usage_and_metrics(llama_path, tmp_path):
         assert metrics["kiln:spec_decode_num_draft_tokens_total"] == spec["draft_tokens"]
         assert metrics["kiln:spec_decode_num_accepted_tokens_total"] == spec["accepted_tokens"]
         assert metrics["kiln:spec_decode_num_verify_steps_total"] == spec["verify_steps"]
+        per_pos = {kind: [v for k, v in sorted(metrics.items()) if k.startswith(
+            f"kiln:spec_decode_num_{kind}_tokens_per_pos_total{{")]
+            for kind in ("draft", "accepted")}
+        assert sum(per_pos["draft"]) == spec["draft_tokens"] and 1 <= len(per_pos["draft"]) <= 3
+        assert sum(per_pos["accepted"]) == spec["accepted_tokens"]
+        assert per_pos["draft"][0] == spec["verify_steps"]
     finally:
         server.stop()

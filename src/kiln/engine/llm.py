@@ -164,7 +164,9 @@ class LLM:
             metrics = {"num_draft_tokens": st.num_draft_tokens,
                        "num_accepted_tokens": st.num_accepted_tokens,
                        "num_verify_steps": st.num_verify_steps,
-                       "mean_accepted_length": st.num_accepted_tokens / st.num_verify_steps}
+                       "mean_accepted_length": st.num_accepted_tokens / st.num_verify_steps,
+                       "drafted_per_position": list(st.drafted_per_position),
+                       "accepted_per_position": list(st.accepted_per_position)}
         return RequestOutput(st.request_id, p.prompt, st.prompt_token_ids, prompt_lp,
                              [self._completion(s) for s in st.ordered()], st.finished,
                              st.num_cached_tokens, metrics)

@@ -112,6 +112,10 @@ class RequestState:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0  # sequence-steps that verified drafts (speculative decoding)
+    # per draft position i (0 = the first draft of a step): steps that verified a draft there,
+    # and steps that accepted it
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
     engine_requests: list[EngineRequest] = field(default_factory=list)
 
     @classmethod
@@ -146,4 +150,13 @@ class RequestState:
             self.num_draft_tokens += out.num_draft_tokens
             self.num_accepted_tokens += out.num_accepted_tokens
             self.num_verify_steps += int(out.num_draft_tokens > 0)
+            count_positions(self.drafted_per_position, out.num_draft_tokens)
+            count_positions(self.accepted_per_position, out.num_accepted_tokens)
         return seq.absorb(out)
+
+
+def count_positions(counts: list[int], n: int) -> None:
+    """Add one to positions 0..n-1 of `counts`, growing it as needed."""
+    counts.extend([0] * (n - len(counts)))
+    for i in range(n):
+        counts[i] += 1

@@ -186,6 +186,16 @@ class Generation:
         return SpeculativeUsage(draft_tokens=drafts, accepted_tokens=accepted,
                                 verify_steps=steps, mean_accepted_length=accepted / steps)
 
+    def _per_position(self, field: str) -> list[int]:
+        """A per-draft-position count summed over all choices."""
+        total: list[int] = []
+        for state in self.states:
+            counts = getattr(state, field)
+            total.extend([0] * (len(counts) - len(total)))
+            for i, n in enumerate(counts):
+                total[i] += n
+        return total
+
     def _record(self) -> None:
         m, counts = self.ctx.metrics, self.counts()
         m.e2e.observe(time.monotonic() - self._arrival)
@@ -198,6 +208,10 @@ class Generation:
             m.spec_drafts.inc(spec.draft_tokens)
             m.spec_accepted.inc(spec.accepted_tokens)
             m.spec_verify_steps.inc(spec.verify_steps)
+            for counter, field in ((m.spec_drafted_per_pos, "drafted_per_position"),
+                                   (m.spec_accepted_per_pos, "accepted_per_position")):
+                for position, n in enumerate(self._per_position(field)):
+                    counter.labels(str(position)).inc(n)
         for state in self.states:
             for seq in state.sequences.values():
                 reason = FINISH_REASONS.get(seq.finish_reason or "abort", seq.finish_reason)

@@ -20,6 +20,9 @@ treats as a counter reset). Each server has its own registry (no process-global 
   kiln:spec_decode_num_draft_tokens_total / _num_accepted_tokens_total / _num_verify_steps_total
                                             speculative decoding (mean accepted length =
                                             accepted / verify steps)
+  kiln:spec_decode_num_draft_tokens_per_pos_total{position} / _num_accepted_tokens_per_pos_total
+                                            the same per draft position (acceptance rate of
+                                            position i = accepted / drafted there)
   kiln:repetition_guard_trips_total{action}  repetition guard: stop (finish_reason repetition)
                                             or retry (the looping token redrawn once)
   kiln:grammar_compile_seconds              grammar compiles (cache misses) checking requests
@@ -90,6 +93,14 @@ class ServeMetrics:
                                      "Draft tokens accepted", registry=r)
         self.spec_verify_steps = Counter("kiln:spec_decode_num_verify_steps",
                                          "Sequence-steps that verified drafts", registry=r)
+        self.spec_drafted_per_pos = Counter(
+            "kiln:spec_decode_num_draft_tokens_per_pos",
+            "Draft tokens verified at each draft position (0 = a step's first draft)",
+            ["position"], registry=r)
+        self.spec_accepted_per_pos = Counter(
+            "kiln:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0 = a step's first draft)",
+            ["position"], registry=r)
         self.guard_trips = Counter("kiln:repetition_guard_trips",
                                    "Repetition-guard trips: stop (sequence ended) or retry "
                                    "(looping token redrawn)", ["action"], registry=r)
