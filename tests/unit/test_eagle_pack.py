@@ -44,3 +44,54 @@ def test_packed_head_matches_the_plain_head(ops_name, dtype):
         got = packed(g, emb, cos, sin, causal(c)).float()
     tol = 1e-4 if dtype == torch.float32 else 0.05
     assert (got - want).abs().max() <= tol * want.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_batch_int8_linear(dtype):
+    """int8 weight-only rows serve inputs of up to INT8_GEMV_MAX_TOKENS rows, within int8's
+    rounding of the dense product; larger inputs take the dense weight exactly."""
+    from kiln.quant.kernels import INT8_GEMV_MAX_TOKENS
+    from kiln.spec.eagle import SmallBatchInt8, int8_gemv_available, packed_linear
+
+    if not int8_gemv_available():
+        pytest.skip("kiln's C++ kernels did not build here")  # the dense path is then used
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64, dtype=dtype)
+    linear = packed_linear(weight, int8=True)
+    assert isinstance(linear, SmallBatchInt8)
+    small, large = torch.randn(3, 64, dtype=dtype), torch.randn(INT8_GEMV_MAX_TOKENS + 1, 64,
+                                                               dtype=dtype)
+    with torch.inference_mode():
+        want = (small.float() @ weight.float().T)
+        got = linear(small).float()
+        assert not torch.equal(got, linear.dense(small).float())  # really the int8 copy
+        assert (got - want).abs().max() <= 0.03 * want.abs().max()
+        assert torch.equal(linear(large), linear.dense(large))
+
+
+def test_int8_packed_head_drafts_like_the_dense_one():
+    """The whole head packed with int8 linears: outputs within int8 rounding of the dense
+    packing, and the same argmax (draft) at almost every row."""
+    from kiln.spec.eagle import int8_gemv_available
+
+    if not int8_gemv_available():
+        pytest.skip("kiln's C++ kernels did not build here")
+    c = HeadConfig(hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
+                   head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                   max_position_embeddings=64, vocab_size=100, draft_vocab_size=100)
+    torch.manual_seed(0)
+    plain = EagleHead(c).eval().requires_grad_(False)
+    ops = get_ops("auto")
+    dense = pack_for_inference(copy.deepcopy(plain), ops)
+    int8 = pack_for_inference(copy.deepcopy(plain), ops, int8=True)
+    t = 6
+    g, emb = torch.randn(t, 64), torch.randn(t, 64)
+    angle = torch.arange(t)[:, None, None] * torch.rand(1, 1, 16)
+    cos, sin = angle.cos(), angle.sin()
+    lm = torch.randn(100, 64)
+    with torch.inference_mode():
+        want = dense(g, emb, cos, sin, causal(c))
+        got = int8(g, emb, cos, sin, causal(c))
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    agree = (got @ lm.T).argmax(-1) == (want @ lm.T).argmax(-1)
+    assert agree.float().mean() >= 5 / 6
