@@ -189,7 +189,7 @@ class SpeculativeConfig:
     ngram_max: int = 4  # ngram: longest suffix to look up (longer matches win)
     draft_kv_cache_memory: int | None = None  # draft: bytes for its KV cache; None = derived
     ngram_first: bool = False  # draft/head: an n-gram match's drafts when there is one
-    head_int8: bool = True  # head: int8 weight-only linears for decode-sized inputs
+    speculator_int8: bool = True  # head/draft: int8 weight-only linears, decode-sized inputs
 
     def __post_init__(self):
         if not self.method:

@@ -17,6 +17,9 @@ from kiln.config import SpeculativeConfig
 from kiln.spec.proposer import Draft, register_proposer
 
 FORCED = SpeculativeConfig(adaptive=False)  # always k = 3: every path gets exercised
+# the speculator's weights as stored (not int8): for tests that compare drafts with a dense
+# model's own greedy tokens
+EXACT = SpeculativeConfig(adaptive=False, speculator_int8=False)
 
 
 def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
@@ -73,7 +76,7 @@ def test_greedy_is_token_identical_with_each_proposer(proposer, reference, llama
     _, ps, params, expected = reference
     llm = LLM(llama_path, dtype="float32", num_threads=1, max_num_batched_tokens=48,
               speculator=speculator_for(proposer, llama_path, draft_path, head_path),
-              speculative_config=FORCED)
+              speculative_config=EXACT if proposer == "self" else FORCED)
     first = llm.generate(ps, params, use_tqdm=False)
     again = llm.generate(ps, params, use_tqdm=False)  # prefix-cache hits this time
     assert ids(first) == expected and ids(again) == expected
@@ -155,6 +158,25 @@ def test_ngram_first_lookup_and_model_each_draft_their_own_k(k_model, k_lookup, 
     assert spec.adaptive._tried[0] > 0 and spec.lookup._tried[0] > 0
     # the untrained head is rarely right, lookup on these repetitive prompts often
     assert spec.lookup.acceptance(1) > spec.adaptive.acceptance(1)
+
+
+def test_speculator_weights_are_int8_unless_asked_otherwise(llama_path, draft_path,
+                                                           head_path):
+    """speculator_int8 (default): the draft model loads int8 weight-only, a head's linears
+    keep int8 copies for decode-sized inputs; False keeps the stored weights."""
+    from kiln.spec.eagle import SmallBatchInt8, int8_gemv_available
+
+    if not int8_gemv_available():
+        pytest.skip("kiln's C++ kernels did not build here")  # then nothing is int8
+    for config, int8 in ((FORCED, True), (EXACT, False)):
+        draft = LLM(llama_path, dtype="float32", num_threads=1, speculator=draft_path,
+                    speculative_config=config).engine.speculator.proposer
+        qkv = draft.runner.model.model.layers[0].self_attn.qkv_proj
+        assert (type(qkv.method).__name__ == "Int8LinearMethod") == int8
+        head = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
+                   speculative_config=config).engine.speculator.proposer
+        assert isinstance(head.lm, SmallBatchInt8) == int8
+        assert isinstance(head.head.fc, SmallBatchInt8) == int8
 
 
 def test_draft_model_with_a_draft_vocabulary(reference, llama_path, tmp_path):
@@ -284,7 +306,7 @@ def test_draft_model_cache_stays_exact_across_rollbacks(reference, llama_path, d
     trims and prefix-cache hits) never holds a rejected token."""
     _, ps, params, _ = reference
     spec = LLM(llama_path, dtype="float32", num_threads=1, speculator=draft_path,
-               speculative_config=FORCED)
+               speculative_config=EXACT)
     proposer = spec.engine.speculator.proposer
     proposals, original = [], proposer.propose
 

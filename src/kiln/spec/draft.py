@@ -46,8 +46,14 @@ class _Shadow:
 class DraftModelProposer:
     def __init__(self, config, ctx: ProposerContext):
         from kiln.runner.model_runner import ModelRunner, num_kv_blocks
+        from kiln.spec.eagle import int8_gemv_available
 
-        model_config = dataclasses.replace(ctx.model, model=config.model, quantization=None)
+        # int8 weight-only (kiln's int8 GEMV at decode sizes) where its kernels build: a small
+        # model's weights come from memory at every draft step, half the bytes cut a draft
+        # round's time by a quarter or more here (a quantized checkpoint keeps its own formats)
+        self.int8 = config.speculator_int8 and int8_gemv_available()
+        model_config = dataclasses.replace(ctx.model, model=config.model,
+                                           quantization="int8" if self.int8 else None)
         self.runner = ModelRunner(model_config, config.model, ctx.cache, ctx.parallel,
                                   ctx.eos_token_ids)
         if self.runner.vocab_size != ctx.target.vocab_size:
@@ -81,7 +87,7 @@ class DraftModelProposer:
             raise ValueError(f"{meta}: draft_vocab must be a non-empty list of token ids "
                              f"below {n}")
         ids = torch.tensor(ids)
-        return ids, packed_linear(lm_head_rows(self.runner.model, ids))
+        return ids, packed_linear(lm_head_rows(self.runner.model, ids), self.int8)
 
     def propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]) -> list[Draft]:
         live = {}  # index in wanted -> shadow

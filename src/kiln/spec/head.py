@@ -100,7 +100,7 @@ class HeadProposer:
         runner = ctx.target
         model, arch = runner.model, runner.model.arch
         self.head = pack_for_inference(load_head(config.model, runner.dtype), runner.ops,
-                                       int8=config.head_int8)
+                                       int8=config.speculator_int8)
         self.ops = runner.ops
         c = self.head.c
         if (c.hidden_size, c.vocab_size) != (arch.hidden_size, arch.vocab_size):
@@ -109,7 +109,7 @@ class HeadProposer:
                              f"target has {arch.hidden_size} and {arch.vocab_size}")
         self.target, self.block_size = runner, ctx.cache.block_size
         self.embed = model.model.embed_tokens
-        self.lm = packed_linear(lm_head_rows(model, self.head.draft_vocab), config.head_int8)
+        self.lm = packed_linear(lm_head_rows(model, self.head.draft_vocab), config.speculator_int8)
         rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                  c.rope_scaling, runner.dtype)
         self.cos, self.sin = rotary.cos, rotary.sin
