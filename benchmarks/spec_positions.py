@@ -10,7 +10,9 @@ leading drafts equal the target's next tokens: the accepted length a verify step
 get. The head runs exactly as it was trained (unrolled, each draft step fed the true previous
 token, which is what verification sees while drafts are right); the n-gram proposer is kiln's
 own. It also reports "n-gram where it matches, else the head" (what `ngram_first` does) and
-the best of the two per position: an upper bound for any choice between them, and both
+the best of the two per position: an upper bound for any choice between them; each also per
+verify step (a walk through the continuation where a step accepting a drafts moves a + 1
+positions on: positions inside accepted runs are never drafted from); and both
 speculators' figures by the length of the n-gram match (0 = none). Unlike the
 speed benchmark this measures nothing but the speculators, so it is deterministic.
 """
@@ -80,6 +82,18 @@ def match_length(seq: list[int], n_max: int = 4) -> int:
     return next((n for n in range(n_max, 0, -1) if propose_ngram(tokens, K, n, n)), 0)
 
 
+def per_step(accepted: np.ndarray, bounds: list[tuple[int, int]]) -> float:
+    """Mean accepted drafts over the verify steps of a walk through each sequence's
+    positions [start, end) where every step drafts."""
+    steps = []
+    for start, end in bounds:
+        p = start
+        while p < end:
+            steps.append(accepted[p])
+            p += int(accepted[p]) + 1
+    return float(np.mean(steps))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,15 +110,23 @@ def main() -> int:
         tokens = continuations(domain, args.new_tokens, args.prompt_tokens)
         for name in args.heads:
             heads = head_drafts(runner, speculators_home() / name, tokens)
-            per = []  # (head, ngram, ngram match length) per position
+            per, starts = [], []  # (head, ngram, matched, match length) per position
             for i, seq in enumerate(tokens.tolist()):
+                starts.append(len(per))
                 for p in range(args.prompt_tokens - 1, len(seq) - K - 1):
                     truth = seq[p + 2:p + 2 + K]
                     lookup = propose_ngram(np.asarray(seq[:p + 2]), K, 1, 4)
                     per.append((accepted(heads[i, p].tolist(), truth), accepted(lookup, truth),
                                 bool(lookup), match_length(seq[:p + 2])))
             r = np.array(per)
+            choices = {"head_alone": r[:, 0], "ngram": r[:, 1],
+                       "ngram_first": np.where(r[:, 2], r[:, 1], r[:, 0]),
+                       "best_of_both": r[:, :2].max(1)}
+            bounds = list(zip(starts, [*starts[1:], len(r)], strict=True))
             row = {"domain": domain, "head": name, "positions": len(r),
+                   # accepted per verify step: walking each continuation as the engine
+                   # does (a step at p accepting a drafts makes the next step p + a + 1)
+                   "per_step": {k: round(per_step(v, bounds), 3) for k, v in choices.items()},
                    "head_alone": round(float(r[:, 0].mean()), 3),
                    "ngram": round(float(r[:, 1].mean()), 3),
                    "ngram_first": round(float(np.where(r[:, 2], r[:, 1], r[:, 0]).mean()), 3),
