@@ -146,14 +146,17 @@ def test_speculator_names_resolve(tmp_path):
         SpeculativeConfig(method="head")
 
 
-def test_serve_flags_carry_ngram_first():
+def test_serve_flags_carry_ngram_first_and_speculator_int8():
     from kiln.cli import build_parser
     from kiln.serve.cli import engine_config
 
     argv = ["serve", "--speculator", "ngram", "--num-speculative-tokens", "4"]
     spec = engine_config(build_parser(argv).parse_args(argv), 1).speculative
-    assert (spec.method, spec.num_speculative_tokens, spec.ngram_first) == ("ngram", 4, False)
+    assert (spec.method, spec.num_speculative_tokens, spec.ngram_first,
+            spec.speculator_int8) == ("ngram", 4, False, True)
     argv.append("--ngram-first")
     assert engine_config(build_parser(argv).parse_args(argv), 1).speculative.ngram_first
+    argv.append("--no-speculator-int8")
+    assert not engine_config(build_parser(argv).parse_args(argv), 1).speculative.speculator_int8
     argv = ["serve"]
     assert engine_config(build_parser(argv).parse_args(argv), 1).speculative is None

@@ -52,6 +52,9 @@ def engine_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--ngram-first", action="store_true",
                    help="with a draft model or head: take an n-gram (prompt lookup) match's "
                         "drafts when the sequence has one, the model's otherwise")
+    g.add_argument("--speculator-int8", action=argparse.BooleanOptionalAction, default=True,
+                   help="a head's or draft model's weights int8 weight-only at decode sizes "
+                        "(cheaper draft steps; output is exact either way)")
     g.add_argument("--heartbeat-interval", type=float, default=WorkerConfig.heartbeat_interval_s,
                    help="seconds between worker heartbeats")
     g.add_argument("--repetition-guard", default=StructuredConfig.repetition_guard,
@@ -113,7 +116,8 @@ def engine_config(args: argparse.Namespace, threads: int | None) -> EngineConfig
         parallel=ParallelConfig(num_threads=threads),
         speculative=resolve_speculative_config(  # off unless --speculator names one
             args.speculator, SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens,
-                                               ngram_first=args.ngram_first)
+                                               ngram_first=args.ngram_first,
+                                               speculator_int8=args.speculator_int8)
         ) if args.speculator else None,
         structured=StructuredConfig(repetition_guard=args.repetition_guard,
                                     compile_timeout_s=args.grammar_compile_timeout))
