@@ -89,14 +89,19 @@ class Run:
         return self.decode_tokens / self.cpu_seconds
 
 
+def submit(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[int, int, int]:
+    """Queue the prompts (greedy, EOS ignored); returns the speculator's counts before."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        llm.engine.add_request(EngineRequest(request_id=f"b{time.monotonic_ns()}-{i}",
+                                             prompt_token_ids=p, params=params))
+    return _spec_counts(llm)
+
+
 def decode(llm: LLM, prompts: list[list[int]], max_tokens: int) -> Run:
     """Run the prompts together through the engine; time the decode phase only."""
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    before = _spec_counts(llm)
-    for i, p in enumerate(prompts):
-        engine.add_request(EngineRequest(request_id=f"b{time.monotonic_ns()}-{i}",
-                                         prompt_token_ids=p, params=params))
+    before = submit(llm, prompts, max_tokens)
     started_decode, emitted, pending_first = None, 0, len(prompts)
     while engine.has_unfinished():
         for out in engine.step():
@@ -120,11 +125,7 @@ def decode_sustained(llm: LLM, prompts: list[list[int]], max_tokens: int, width:
     ragged end of a closed batch (where requests that drafted well finish first and the last
     steps run nearly empty)."""
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    before = _spec_counts(llm)
-    for i, p in enumerate(prompts):
-        engine.add_request(EngineRequest(request_id=f"s{time.monotonic_ns()}-{i}",
-                                         prompt_token_ids=p, params=params))
+    before = submit(llm, prompts, max_tokens)
     planned, inner = [], engine.scheduler.schedule
     engine.scheduler.schedule = lambda: planned.append(inner()) or planned[-1]
     tokens, seconds, cpu = 0, 0.0, 0.0
