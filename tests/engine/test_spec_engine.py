@@ -130,6 +130,26 @@ def test_ngram_first_splits_requests_and_stays_lossless(proposer, reference, lla
     assert 0 < to_model < asked  # both sources drafted
     assert 0 in calls  # steps where n-gram matches served everyone: the proposer still ran
     assert llm.engine.kv.stats().used_blocks == 0
+    assert set(spec._source.values()) == {"ngram", proposer}
+
+
+def test_request_metrics_count_drafts_by_source(reference, llama_path, head_path):
+    """With ngram_first, RequestOutput.metrics splits drafts by who drafted them: lookup
+    ("ngram") and the head, adding up to the request's totals."""
+    import dataclasses
+
+    _, ps, params, _ = reference
+    llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
+              speculative_config=dataclasses.replace(FORCED, ngram_first=True))
+    metrics = [o.metrics for o in llm.generate(ps, params, use_tqdm=False) if o.metrics]
+    seen = set()
+    for m in metrics:
+        by_source = m["drafts_by_source"]
+        seen |= set(by_source)
+        assert sum(d for d, _ in by_source.values()) == m["num_draft_tokens"]
+        assert sum(a for _, a in by_source.values()) == m["num_accepted_tokens"]
+        assert all(0 <= a <= d for d, a in by_source.values())
+    assert seen == {"ngram", "head"}
 
 
 @pytest.mark.parametrize(("k_model", "k_lookup"), [(1, 3), (3, 2)])

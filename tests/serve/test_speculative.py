@@ -28,5 +28,11 @@ def test_served_speculation_reports_usage_and_metrics(llama_path, tmp_path):
         assert sum(per_pos["draft"]) == spec["draft_tokens"] and 1 <= len(per_pos["draft"]) <= 3
         assert sum(per_pos["accepted"]) == spec["accepted_tokens"]
         assert per_pos["draft"][0] == spec["verify_steps"]
+        by_source = {k: v for k, v in metrics.items() if "_by_source_total{" in k}
+        assert by_source == {
+            'kiln:spec_decode_num_draft_tokens_by_source_total{source="ngram"}':
+                spec["draft_tokens"],
+            'kiln:spec_decode_num_accepted_tokens_by_source_total{source="ngram"}':
+                spec["accepted_tokens"]}
     finally:
         server.stop()

@@ -166,7 +166,9 @@ class LLM:
                        "num_verify_steps": st.num_verify_steps,
                        "mean_accepted_length": st.num_accepted_tokens / st.num_verify_steps,
                        "drafted_per_position": list(st.drafted_per_position),
-                       "accepted_per_position": list(st.accepted_per_position)}
+                       "accepted_per_position": list(st.accepted_per_position),
+                       "drafts_by_source": {k: list(v) for k, v in
+                                            st.drafts_by_source.items()}}
         return RequestOutput(st.request_id, p.prompt, st.prompt_token_ids, prompt_lp,
                              [self._completion(s) for s in st.ordered()], st.finished,
                              st.num_cached_tokens, metrics)

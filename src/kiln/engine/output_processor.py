@@ -116,6 +116,8 @@ class RequestState:
     # and steps that accepted it
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    # per draft source ("ngram", "draft", "head"): [drafts verified, accepted]
+    drafts_by_source: dict[str, list[int]] = field(default_factory=dict)
     engine_requests: list[EngineRequest] = field(default_factory=list)
 
     @classmethod
@@ -152,6 +154,10 @@ class RequestState:
             self.num_verify_steps += int(out.num_draft_tokens > 0)
             count_positions(self.drafted_per_position, out.num_draft_tokens)
             count_positions(self.accepted_per_position, out.num_accepted_tokens)
+            if out.draft_source is not None:
+                counts = self.drafts_by_source.setdefault(out.draft_source, [0, 0])
+                counts[0] += out.num_draft_tokens
+                counts[1] += out.num_accepted_tokens
         return seq.absorb(out)
 
 

@@ -31,6 +31,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     num_draft_tokens: int = 0  # drafts verified this step
     num_accepted_tokens: int = 0  # of which were accepted
+    draft_source: str | None = None  # who drafted them: "ngram" (lookup), "draft", "head"
     num_redraws: int = 0  # tokens the repetition guard dropped and sampled again (retry mode)
 
     @property

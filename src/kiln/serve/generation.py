@@ -212,6 +212,10 @@ class Generation:
                                    (m.spec_accepted_per_pos, "accepted_per_position")):
                 for position, n in enumerate(self._per_position(field)):
                     counter.labels(str(position)).inc(n)
+            for state in self.states:
+                for source, (drafted, accepted) in state.drafts_by_source.items():
+                    m.spec_drafted_by_source.labels(source).inc(drafted)
+                    m.spec_accepted_by_source.labels(source).inc(accepted)
         for state in self.states:
             for seq in state.sequences.values():
                 reason = FINISH_REASONS.get(seq.finish_reason or "abort", seq.finish_reason)

@@ -23,6 +23,9 @@ treats as a counter reset). Each server has its own registry (no process-global 
   kiln:spec_decode_num_draft_tokens_per_pos_total{position} / _num_accepted_tokens_per_pos_total
                                             the same per draft position (acceptance rate of
                                             position i = accepted / drafted there)
+  kiln:spec_decode_num_draft_tokens_by_source_total{source} / _num_accepted_tokens_by_source_total
+                                            the same by who drafted (ngram = lookup, draft,
+                                            head: with --ngram-first, lookup and the model)
   kiln:repetition_guard_trips_total{action}  repetition guard: stop (finish_reason repetition)
                                             or retry (the looping token redrawn once)
   kiln:grammar_compile_seconds              grammar compiles (cache misses) checking requests
@@ -101,6 +104,14 @@ class ServeMetrics:
             "kiln:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0 = a step's first draft)",
             ["position"], registry=r)
+        self.spec_drafted_by_source = Counter(
+            "kiln:spec_decode_num_draft_tokens_by_source",
+            "Draft tokens verified by who drafted them (ngram = lookup, draft, head)",
+            ["source"], registry=r)
+        self.spec_accepted_by_source = Counter(
+            "kiln:spec_decode_num_accepted_tokens_by_source",
+            "Draft tokens accepted by who drafted them (ngram = lookup, draft, head)",
+            ["source"], registry=r)
         self.guard_trips = Counter("kiln:repetition_guard_trips",
                                    "Repetition-guard trips: stop (sequence ended) or retry "
                                    "(looping token redrawn)", ["action"], registry=r)

@@ -66,6 +66,9 @@ class Speculator:
         self.stats = SpecStats()
         # request -> (drafts asked, proposed, the controller whose k it was)
         self._asked: dict[str, tuple[int, int, AdaptiveK]] = {}
+        self._source = {id(self.adaptive): config.method}  # controller -> drafts' source
+        if self.lookup is not None:
+            self._source[id(self.lookup)] = "ngram"
         self._last: tuple[int, AdaptiveK, int, float] | None = None  # (batch, controller,
         # k, propose seconds) of the step the last round planned
 
@@ -149,6 +152,8 @@ class Speculator:
             if asked is not None and (out.new_token_ids or out.num_draft_tokens):
                 num_asked = asked[0] if out.num_draft_tokens == asked[1] else out.num_draft_tokens
                 asked[2].observe_acceptance(num_asked, out.num_accepted_tokens)
+            if asked is not None and out.num_draft_tokens:
+                out.draft_source = self._source[id(asked[2])]
             if out.num_draft_tokens:
                 self.stats.num_draft_tokens += out.num_draft_tokens
                 self.stats.num_accepted_tokens += out.num_accepted_tokens
