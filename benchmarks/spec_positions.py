@@ -10,7 +10,9 @@ leading drafts equal the target's next tokens: the accepted length a verify step
 get. The head runs exactly as it was trained (unrolled, each draft step fed the true previous
 token, which is what verification sees while drafts are right); the n-gram proposer is kiln's
 own. It also reports "n-gram where it matches, else the head" (what `ngram_first` does) and
-the best of the two per position: an upper bound for any choice between them; each also per
+the best of the two per position: an upper bound for any choice between them; "the head
+over a match where it expects more than t" (its own probabilities' p1 + p1 p2 + p1 p2 p3: a
+rule the engine could apply if the head drafted at every step); each also per
 verify step (a walk through the continuation where a step accepting a drafts moves a + 1
 positions on: positions inside accepted runs are never drafted from); and both
 speculators' figures by the length of the n-gram match (0 = none). Unlike the
@@ -29,13 +31,14 @@ from kiln import LLM, SamplingParams
 from kiln.config import CacheConfig, ModelConfig, ParallelConfig
 from kiln.engine.core import resolve_model_path
 from kiln.runner.model_runner import ModelRunner
-from kiln.spec.data import TargetRecord, record_target
+from kiln.spec.data import TargetRecord, prose_source, record_target
 from kiln.spec.eagle import lm_head_rows, load_head
 from kiln.spec.ngram import propose_ngram
 from kiln.spec.resolve import speculators_home
 from kiln.spec.train import unroll
 
 K = 3
+CONFIDENT = (1.0, 1.5, 2.0, 2.5)
 
 
 def continuations(domain: str, new_tokens: int, prompt_tokens: int) -> torch.Tensor:
@@ -51,8 +54,10 @@ def continuations(domain: str, new_tokens: int, prompt_tokens: int) -> torch.Ten
 
 
 @torch.no_grad()
-def head_drafts(runner, head_dir, tokens: torch.Tensor) -> torch.Tensor:
-    """[b, S - K, K]: the head's K drafts after each position (teacher-forced chain)."""
+def head_drafts(runner, head_dir, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[b, S - K, K]: the head's K drafts after each position (teacher-forced chain), and
+    [b, S - K] the accepted length it expects there by its own probabilities
+    (p1 + p1 p2 + p1 p2 p3 of its drafts)."""
     from kiln.models.layers.rotary import RotaryEmbedding
 
     head = load_head(head_dir, torch.float32)
@@ -63,10 +68,14 @@ def head_drafts(runner, head_dir, tokens: torch.Tensor) -> torch.Tensor:
     rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                              c.rope_scaling, torch.float32)
     b, seq = tokens.shape
-    drafts = [head.draft_vocab[logits.argmax(-1)].view(b, seq - K)
-              for _, logits in unroll(head, record.features, tokens, K, embed, rows,
-                                      rotary.cos, rotary.sin)]
-    return torch.stack(drafts, dim=-1)
+    drafts, expected, chain = [], torch.zeros(b, seq - K), torch.ones(b, seq - K)
+    for _, logits in unroll(head, record.features, tokens, K, embed, rows, rotary.cos,
+                            rotary.sin):
+        prob, choice = logits.float().softmax(-1).max(-1)
+        drafts.append(head.draft_vocab[choice].view(b, seq - K))
+        chain = chain * prob.view(b, seq - K)
+        expected += chain
+    return torch.stack(drafts, dim=-1), expected
 
 
 def accepted(drafts: list[int], truth: list[int]) -> int:
@@ -109,19 +118,23 @@ def main() -> int:
     for domain in ("code", "prose"):
         tokens = continuations(domain, args.new_tokens, args.prompt_tokens)
         for name in args.heads:
-            heads = head_drafts(runner, speculators_home() / name, tokens)
-            per, starts = [], []  # (head, ngram, matched, match length) per position
+            heads, expect = head_drafts(runner, speculators_home() / name, tokens)
+            per, starts = [], []  # (head, ngram, matched, match length, head expects)
             for i, seq in enumerate(tokens.tolist()):
                 starts.append(len(per))
                 for p in range(args.prompt_tokens - 1, len(seq) - K - 1):
                     truth = seq[p + 2:p + 2 + K]
                     lookup = propose_ngram(np.asarray(seq[:p + 2]), K, 1, 4)
                     per.append((accepted(heads[i, p].tolist(), truth), accepted(lookup, truth),
-                                bool(lookup), match_length(seq[:p + 2])))
+                                bool(lookup), match_length(seq[:p + 2]),
+                                float(expect[i, p])))
             r = np.array(per)
             choices = {"head_alone": r[:, 0], "ngram": r[:, 1],
                        "ngram_first": np.where(r[:, 2], r[:, 1], r[:, 0]),
                        "best_of_both": r[:, :2].max(1)}
+            for t in CONFIDENT:  # the head over a match where it expects more than t
+                choices[f"head_if_expects>{t}"] = np.where((r[:, 2] > 0) & (r[:, 4] <= t),
+                                                           r[:, 1], r[:, 0])
             bounds = list(zip(starts, [*starts[1:], len(r)], strict=True))
             row = {"domain": domain, "head": name, "positions": len(r),
                    # accepted per verify step: walking each continuation as the engine
@@ -140,7 +153,7 @@ def main() -> int:
             rows.append(row)
             print(row, flush=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+        json.dump({"args": vars(args), "prose": prose_source(), "rows": rows}, f, indent=2)
     return 0
 
 

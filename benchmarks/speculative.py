@@ -6,7 +6,8 @@ Configurations: off, n-gram, draft model (the `code-draft` preset), code head, p
 (presets built by `kiln train-speculator --preset NAME`; missing ones are skipped), and each
 head with `ngram_first` ("+ng": an n-gram match's drafts where the text has one). Domains:
 code prompts (the opening of held-out standard-library files) and prose prompts (windows of
-the held-out pydoc topics), never text the speculators were trained on. Batch 1 runs three
+the held-out pages of the prose domain: the Python documentation when `python3-doc` is
+installed, else the pydoc topics), never text the speculators were trained on. Batch 1 runs three
 prompts one after another; batch 8 runs eight together (a closed batch: timed to its last
 token, so it includes the ragged end where sequences that drafted well are done and the rest
 decode in a smaller batch); batch 8 sustained queues sixteen for eight slots (finished ones
@@ -39,7 +40,7 @@ from transformers import AutoTokenizer  # noqa: F401  (import before engines sta
 from kiln import LLM, SamplingParams
 from kiln.config import SpeculativeConfig
 from kiln.engine.core import EngineRequest
-from kiln.spec.data import code_corpus, prose_corpus
+from kiln.spec.data import code_corpus, prose_corpus, prose_source
 from kiln.spec.resolve import speculators_home
 
 CONFIGS = {"off": None, "ngram": "ngram", "draft": "code-draft", "code-head": "code-head",
@@ -61,9 +62,9 @@ def code_prompts(tok, n: int, tokens: int) -> list[list[int]]:
 
 
 def prose_prompts(tok, n: int, tokens: int) -> list[list[int]]:
-    """Consecutive `tokens`-token windows of the held-out pydoc topics, round robin (the
-    first window of every topic, then the second ones, ...): there are only 5 held-out
-    topics, and batch 8 needs 8 prompts."""
+    """Consecutive `tokens`-token windows of the held-out prose texts, round robin (the
+    first window of every text, then the second ones, ...: with the pydoc topics there
+    are only 5 held-out texts, and batch 8 needs 8 prompts)."""
     docs = [tok.encode(text, add_special_tokens=False) for text in prose_corpus("heldout")]
     out = []
     for start in range(0, max(map(len, docs)), tokens):
@@ -258,7 +259,7 @@ def report(runs: dict[tuple, list[Run]], names: list[str], args, run_log: list[d
               f"{r['speedup']:.2f}x | {r['tokens_per_cpu_s']:.1f} | {r['cpu_speedup']:.2f}x | "
               f"{acc} |")
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "rows": rows, "runs": run_log}, f, indent=2)
+        json.dump({"args": vars(args), "prose": prose_source(), "rows": rows, "runs": run_log}, f, indent=2)
     plot(rows, str(args.out).removesuffix(".json") + ".png")
 
 

@@ -33,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--data", nargs="+", help="text files or directories to train on")
     src.add_argument("--prompts", help="prompts (lines or JSONL) the target answers first")
     src.add_argument("--domain", choices=("code", "prose"),
-                     help="built-in corpus: stdlib source or pydoc topics")
+                     help="built-in corpus: stdlib source, or the Python docs' prose (python3-doc; "
+                          "else the pydoc topics)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="built-in domain + kind + out")
     p.add_argument("--kind", choices=("head", "draft"), default=None)
     p.add_argument("--out", default=None, help="output directory")
@@ -226,7 +227,10 @@ def _record_cache(plan: _Plan) -> Path | None:
     a = plan.args
     if a.prompts:
         return None
-    data = a.domain or sorted(str(Path(p).resolve()) for p in a.data)
+    from kiln.spec.data import prose_source
+
+    data = ((a.domain if a.domain != "prose" else [a.domain, prose_source()]) if a.domain
+            else sorted(str(Path(p).resolve()) for p in a.data))
     key = json.dumps([str(plan.model_path), data, a.max_tokens, a.seq_len, a.doc_tokens,
                       plan.train_config().feature_layers, a.seed, a.dtype] +
                      ([a.prompt_tokens, a.answer_tokens] if a.self_distill else []))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sysconfig
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -49,12 +50,78 @@ def code_corpus(split: str = "train") -> list[str]:
     return texts
 
 
+PYTHON_DOCS_SKIP = ("whatsnew/changelog", "includes/", "license", "copyright", "contents",
+                    "about", "bugs", "c-api/", "distutils/")
+_ROLE = re.compile(r":[\w:.+-]+:`[~!]?([^`<]*?)\s*(?:<[^`>]*>)?`")  # :func:`~a.b <x>` -> a.b
+_LINK = re.compile(r"`([^`<]*?)\s*(?:<[^`>]*>)?`__?")  # `text <url>`_ -> text
+_FIELD = re.compile(r"^:[\w -]+:(\s|$)")  # a field list (":Author: ..."), not a role
+_UNDERLINE = re.compile(r"^([=\-*~^#\"'+`:.])\1{2,}\s*$")
+
+
+def python_docs_sources() -> Path | None:
+    """The reStructuredText sources of the Python documentation, as Debian's `python3-doc`
+    installs them (`/usr/share/doc/python3.X/html/_sources`; `$KILN_PROSE_DOCS` names
+    another such directory), or None when absent."""
+    import os
+
+    if os.environ.get("KILN_PROSE_DOCS"):
+        root = Path(os.environ["KILN_PROSE_DOCS"])
+        if not root.is_dir():
+            raise ValueError(f"KILN_PROSE_DOCS={root} is not a directory of .txt (reST) pages")
+        return root
+    roots = sorted(Path("/usr/share/doc").glob("python3*/html/_sources"),
+                   key=lambda p: [int(x) for x in re.findall(r"\d+", p.parts[-3])])
+    return roots[-1] if roots else None
+
+
+def rst_prose(text: str) -> str:
+    """The running prose of a reStructuredText page: its unindented paragraphs with inline
+    markup reduced to its text, one paragraph per line pair; headings, directives, code
+    blocks, tables and comments dropped."""
+    paragraphs = []
+    for block in re.split(r"\n\s*\n", text):
+        lines = block.split("\n")
+        if not lines[0].strip() or lines[0][0].isspace() or lines[0].startswith(
+                ("..", ">>>", "|", "+-", "+=")) or _FIELD.match(lines[0]):
+            continue
+        if any(_UNDERLINE.match(line) for line in lines):  # a heading (perhaps with text)
+            continue
+        para = " ".join(line.strip() for line in lines)
+        para = re.sub(r"^(?:[*\-+]|#\.|\d+[.)])\s+", "", para)  # a list item's bullet
+        para = _ROLE.sub(r"\1", para)
+        para = _LINK.sub(r"\1", para)
+        para = para.replace("``", "").replace("**", "")
+        para = re.sub(r"\s*::$", ":", para)
+        para = " ".join(para.split())
+        if len(para.split()) >= 8:
+            paragraphs.append(para)
+    return "\n\n".join(paragraphs)
+
+
 def prose_corpus(split: str = "train") -> list[str]:
-    """The pydoc topics (English reference documentation), sorted by topic name, reflowed
-    (runs of whitespace collapsed to one space: running prose, not terminal layout)."""
+    """English prose: the Python documentation's pages (`python_docs_sources`, by path) as
+    running text (`rst_prose`) when installed; else the pydoc topics (what `help()` shows,
+    about 97 k tokens), sorted by topic name, reflowed (whitespace collapsed)."""
+    root = python_docs_sources()
+    if root is not None and root.is_dir():
+        texts = []
+        for path in sorted(root.rglob("*.txt")):
+            rel = path.relative_to(root).as_posix()
+            if rel.startswith(PYTHON_DOCS_SKIP) or not _keep(rel, split):
+                continue
+            prose = rst_prose(path.read_text(encoding="utf-8", errors="replace"))
+            if prose:
+                texts.append(prose)
+        return texts
     from pydoc_data.topics import topics
 
     return [" ".join(topics[name].split()) for name in sorted(topics) if _keep(name, split)]
+
+
+def prose_source() -> str:
+    """Which text `prose_corpus` reads on this machine (recorded with results)."""
+    root = python_docs_sources()
+    return f"python docs {root}" if root is not None and root.is_dir() else "pydoc topics"
 
 
 def domain_corpus(domain: str, split: str = "train") -> list[str]:
