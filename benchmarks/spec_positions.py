@@ -12,7 +12,9 @@ token, which is what verification sees while drafts are right); the n-gram propo
 own. It also reports "n-gram where it matches, else the head" (what `ngram_first` does) and
 the best of the two per position: an upper bound for any choice between them; "the head
 over a match where it expects more than t" (its own probabilities' p1 + p1 p2 + p1 p2 p3: a
-rule the engine could apply if the head drafted at every step); each also per
+rule the engine could apply if the head drafted at every step) and "lookup only from a
+match of m tokens, else the head" (the cut ngram_first's routing by match length learns);
+each also per
 verify step (a walk through the continuation where a step accepting a drafts moves a + 1
 positions on: positions inside accepted runs are never drafted from); and both
 speculators' figures by the length of the n-gram match (0 = none). Unlike the
@@ -132,6 +134,9 @@ def main() -> int:
             choices = {"head_alone": r[:, 0], "ngram": r[:, 1],
                        "ngram_first": np.where(r[:, 2], r[:, 1], r[:, 0]),
                        "best_of_both": r[:, :2].max(1)}
+            for m in (2, 3, 4):  # lookup only from a match of m tokens: what ngram_first's
+                # routing by match length (adaptive) can reach with one fixed cut
+                choices[f"ngram_from_length>={m}"] = np.where(r[:, 3] >= m, r[:, 1], r[:, 0])
             for t in CONFIDENT:  # the head over a match where it expects more than t
                 choices[f"head_if_expects>{t}"] = np.where((r[:, 2] > 0) & (r[:, 4] <= t),
                                                            r[:, 1], r[:, 0])

@@ -180,6 +180,36 @@ def test_ngram_first_lookup_and_model_each_draft_their_own_k(k_model, k_lookup, 
     assert spec.lookup.acceptance(1) > spec.adaptive.acceptance(1)
 
 
+@pytest.mark.parametrize("model_promises", [1.0, 4.0])
+def test_ngram_first_gives_a_match_length_lookup_misses_on_to_the_model(
+        model_promises, reference, llama_path, head_path):
+    """Adaptive ngram_first keeps lookup's acceptance by match length: a match whose length
+    has paid less than the model's drafts promise goes to the model (here a model that
+    promises k = 3 accepted: every length but the ones lookup got wholly right), one that
+    promises nothing leaves every match with lookup. Output unchanged either way."""
+    import dataclasses
+
+    _, ps, params, expected = reference
+    llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
+              speculative_config=dataclasses.replace(FORCED, adaptive=True,
+                                                     ngram_first=True))
+    spec = llm.engine.speculator
+    spec.adaptive.choose = spec.lookup.choose = lambda batch: 3
+    spec.adaptive.expected_tokens = lambda k: model_promises
+    spec.adaptive.cost = spec.lookup.cost = lambda batch, k: None  # tokens decide alone
+    routed, inner = [], spec._lookup_pays
+    spec._lookup_pays = lambda batch, n: routed.append((n, inner(batch, n))) or routed[-1][1]
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    assert spec._by_match and all(v > 0 and 0 <= a <= 3 * v for v, a in spec._by_match.values())
+    to_model = {n for n, pays in routed if not pays}
+    if model_promises == 1.0:
+        assert not to_model  # lookup's worst prior (1 + 0 accepted) still ties the model
+    else:
+        assert to_model and all(spec._by_match[n][1] < 3 * spec._by_match[n][0]
+                                for n in to_model)
+    assert not spec._match_of and llm.engine.kv.stats().used_blocks == 0
+
+
 def test_speculator_weights_are_int8_unless_asked_otherwise(llama_path, draft_path,
                                                            head_path):
     """speculator_int8 (default): the draft model loads int8 weight-only, a head's linears

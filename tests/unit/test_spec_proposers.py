@@ -9,7 +9,7 @@ import pytest
 
 from kiln.config import SpeculativeConfig
 from kiln.spec.adaptive import AdaptiveK, batch_bucket
-from kiln.spec.ngram import propose_ngram
+from kiln.spec.ngram import ngram_match, propose_ngram
 from kiln.spec.resolve import resolve_speculative_config
 
 
@@ -26,6 +26,10 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert ngram(seq, k=5) == [4, 9, 1, 2, 3]  # only the earlier one is followed by 5
     # a longer suffix wins over a more recent shorter one
     assert ngram([7, 8, 9, 4, 1, 9, 0, 7, 8, 9], n_max=3) == [4, 1, 9]
+    # ngram_match also says how long the matched suffix was (0: no match)
+    assert ngram_match(np.asarray([7, 8, 9, 4, 1, 9, 0, 7, 8, 9]), 3, 1, 4) == ([4, 1, 9], 3)
+    assert ngram_match(np.asarray([5, 6, 5]), 2, 1, 4) == ([6, 5], 1)
+    assert ngram_match(np.asarray([1, 2, 3]), 3, 1, 4) == ([], 0)
 
 
 def test_ngram_without_a_match_proposes_nothing():

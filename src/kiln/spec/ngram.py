@@ -20,6 +20,11 @@ from kiln.spec.proposer import Draft, DraftRequest, ProposerContext, register_pr
 def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
     """Up to k tokens that followed an earlier occurrence of the longest matching suffix: the
     latest one followed by k tokens, else the earliest (whose continuation is longest)."""
+    return ngram_match(tokens, k, n_min, n_max)[0]
+
+
+def ngram_match(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> tuple[list[int], int]:
+    """`propose_ngram`'s drafts and the length of the suffix they matched (0: none)."""
     size = len(tokens)
     for n in range(min(n_max, size - 1), n_min - 1, -1):
         suffix = tokens[size - n:]
@@ -28,8 +33,8 @@ def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[in
         if len(hits):
             full = hits[hits + n + k <= size]  # occurrences followed by k known tokens
             start = int(full[-1] if len(full) else hits[0]) + n
-            return tokens[start:start + k].tolist()
-    return []
+            return tokens[start:start + k].tolist(), n
+    return [], 0
 
 
 @register_proposer("ngram")

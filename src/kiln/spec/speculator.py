@@ -9,7 +9,8 @@
      so a draft never sits past `max_tokens` (the bonus token needs the last slot) or
      `max_model_len` (with `ngram_first`, requests whose text has an n-gram match take its
      drafts instead, with a k of their own: on text that repeats itself, lookup beats a
-     small model);
+     small model; with adaptive speculation, a match of a length whose drafts have been
+     worth less than the model's goes to the model after all);
   4. each guess passes `draft_filter`, the seam for structured output (a grammar keeps the
      drafts it accepts), and lands in `request.spec_token_ids` (and `spec_draft_probs`),
      where the scheduler picks it up as extra query tokens.
@@ -28,7 +29,7 @@ from kiln.engine.outputs import EngineCoreOutput
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.spec.adaptive import AdaptiveK
-from kiln.spec.ngram import propose_ngram
+from kiln.spec.ngram import ngram_match
 from kiln.spec.proposer import Draft, DraftRequest, ProposerContext, build_proposer
 
 # (request, drafts) -> how many leading drafts to keep
@@ -71,6 +72,11 @@ class Speculator:
             self._source[id(self.lookup)] = "ngram"
         self._last: tuple[int, AdaptiveK, int, float] | None = None  # (batch, controller,
         # k, propose seconds) of the step the last round planned
+        # ngram_first: lookup's record by the length of the suffix it matched, n ->
+        # [verify steps, accepted drafts] (decayed like AdaptiveK's counts): one-token matches
+        # are right far less often than four-token ones, and on prose less than a head
+        self._by_match: dict[int, list[float]] = {}
+        self._match_of: dict[str, int] = {}  # request -> its lookup drafts' match length
 
     def _controller(self) -> AdaptiveK:
         c = self.config
@@ -97,27 +103,54 @@ class Speculator:
 
     def _propose_lookup_first(self, sched: SchedulerOutput, candidates: list[Request]):
         """`ngram_first`: a request whose text has an n-gram match takes that match's drafts
-        (up to the lookup controller's k), the proposer drafts for the others (up to its own
-        k; it still sees every step, to follow the target). Returns the wanted drafts, the
+        (up to the lookup controller's k) unless matches of its length have paid less than
+        the proposer's drafts promise (`_lookup_pays`) and the proposer drafts this step;
+        the proposer drafts for the others (up to its own k; it still sees every step, to
+        follow the target). Returns the wanted drafts, the
         drafts, each one's controller, and (controller, k) the step's cost is booked to:
         the proposer's when it drafted (its time is in the step), else lookup's."""
         c, batch = self.config, len(candidates)
-        found = [propose_ngram(np.asarray(r.all_token_ids),
-                               self._cap(r, c.num_speculative_tokens), c.ngram_min,
-                               c.ngram_max) for r in candidates]
-        matched = [(r, f) for r, f in zip(candidates, found, strict=True) if f]
-        rest = [r for r, f in zip(candidates, found, strict=True) if not f]
+        found = [ngram_match(np.asarray(r.all_token_ids), self._cap(r, c.num_speculative_tokens),
+                             c.ngram_min, c.ngram_max) for r in candidates]
+        pays = [bool(f) and self._lookup_pays(batch, n) for f, n in found]
+        rest = [r for r, p in zip(candidates, pays, strict=True) if not p]
         k_model = self.adaptive.choose(batch) if rest else 0
+        # a match passed over for the model still drafts in a step where the model does not
+        matched = [(r, f, n) for r, (f, n), p in zip(candidates, found, pays, strict=True)
+                   if f and (p or not k_model)]
         k_lookup = self.lookup.choose(batch) if matched else 0
         to_model = [DraftRequest(r, n) for r in rest if (n := self._cap(r, k_model)) > 0]
         model_drafts = self.proposer.propose(sched, to_model)
-        to_lookup = [DraftRequest(r, self._cap(r, k_lookup)) for r, _ in matched if k_lookup]
+        to_lookup = [DraftRequest(r, self._cap(r, k_lookup)) for r, _, _ in matched if k_lookup]
         wanted = to_model + to_lookup
-        drafts = model_drafts + [Draft(f[:k_lookup]) for _, f in matched if k_lookup]
+        drafts = model_drafts + [Draft(f[:k_lookup]) for _, f, _ in matched if k_lookup]
+        self._match_of.update((r.request_id, n) for r, _, n in matched if k_lookup)
+        for (f, n), p in zip(found, pays, strict=True):
+            # passed over: old evidence fades toward the prior, so lookup gets it back in time
+            if f and not p and k_model and (record := self._by_match.get(n)):
+                record[0] *= self.lookup.acceptance_decay
+                record[1] *= self.lookup.acceptance_decay
         sources = [self.adaptive] * len(to_model) + [self.lookup] * len(to_lookup)
         planned = ((self.adaptive, k_model) if to_model or not to_lookup
                    else (self.lookup, k_lookup))
         return wanted, drafts, sources, planned
+
+    def _lookup_pays(self, batch: int, match_length: int) -> bool:
+        """Whether a request whose text ends in an n-gram match of this length takes lookup's
+        drafts rather than the model's: each source's expected tokens per step (1 + accepted
+        drafts) per second of its measured step cost (the model's includes its drafting).
+        A length not yet tried goes to lookup (its prior is k accepted); without adaptive
+        speculation, every match does."""
+        if not self.adaptive.enabled:
+            return True
+        k = self.config.num_speculative_tokens
+        verifies, accepted = self._by_match.get(match_length, (0.0, 0.0))
+        lookup = 1.0 + (accepted + k) / (verifies + 1.0)
+        model = self.adaptive.expected_tokens(k)
+        lookup_cost, model_cost = self.lookup.cost(batch, k), self.adaptive.cost(batch, k)
+        if lookup_cost and model_cost:
+            return lookup / lookup_cost >= model / model_cost
+        return lookup >= model
 
     def _candidates(self, sched: SchedulerOutput) -> list[Request]:
         out = []
@@ -154,6 +187,12 @@ class Speculator:
                 asked[2].observe_acceptance(num_asked, out.num_accepted_tokens)
             if asked is not None and out.num_draft_tokens:
                 out.draft_source = self._source[id(asked[2])]
+            if (n := self._match_of.pop(out.request_id, 0)) and (out.new_token_ids
+                                                                 or out.num_draft_tokens):
+                record = self._by_match.setdefault(n, [0.0, 0.0])
+                decay = self.lookup.acceptance_decay
+                record[0] = record[0] * decay + 1.0
+                record[1] = record[1] * decay + out.num_accepted_tokens
             if out.num_draft_tokens:
                 self.stats.num_draft_tokens += out.num_draft_tokens
                 self.stats.num_accepted_tokens += out.num_accepted_tokens
@@ -162,6 +201,7 @@ class Speculator:
                 finished.append(out.request_id)
         for rid in finished:
             self._asked.pop(rid, None)
+            self._match_of.pop(rid, None)
         if self._last is not None and _decode_only(sched, self._last[0]):
             batch, controller, k, propose_seconds = self._last
             controller.observe_cost(batch, k, step_seconds + propose_seconds)
