@@ -97,3 +97,24 @@ def test_a_wrong_kiln_prose_docs_is_an_error_not_a_silent_fallback(tmp_path, mon
     monkeypatch.setenv("KILN_PROSE_DOCS", str(tmp_path / "absent"))
     with pytest.raises(ValueError, match="KILN_PROSE_DOCS"):
         data.prose_corpus("train")
+
+
+def test_presets_carry_their_own_token_counts(tmp_path):
+    """--preset prose-head self-distills 2,097,152 tokens, the code head 1,048,576, unless
+    --max-tokens says otherwise."""
+    import argparse
+
+    from kiln.spec.cli import _apply_preset, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+
+    def tokens(*argv):
+        args = parser.parse_args(["train-speculator", *argv, "--out", str(tmp_path)])
+        _apply_preset(args)
+        return args.max_tokens, args.kind, args.domain
+
+    assert tokens("--preset", "prose-head") == (2097152, "head", "prose")
+    assert tokens("--preset", "code-head") == (1048576, "head", "code")
+    assert tokens("--preset", "code-draft") == (524288, "draft", "code")
+    assert tokens("--preset", "prose-head", "--max-tokens", "4096")[0] == 4096

@@ -18,10 +18,11 @@ import random
 import time
 from pathlib import Path
 
-PRESETS = {  # name -> (domain, kind)
-    "code-head": ("code", "head"),
-    "prose-head": ("prose", "head"),
-    "code-draft": ("code", "draft"),
+PRESETS = {  # name -> (domain, kind, self-distilled tokens: the prose head needs twice the
+    # code head's to draft as well on its own domain; BENCHMARKS.md)
+    "code-head": ("code", "head", 1048576),
+    "prose-head": ("prose", "head", 2097152),
+    "code-draft": ("code", "draft", 524288),
 }
 
 
@@ -39,8 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kind", choices=("head", "draft"), default=None)
     p.add_argument("--out", default=None, help="output directory")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="training tokens (default with --self-distill: 1048576 for a head, "
-                        "524288 for a draft model; else 65536)")
+                   help="training tokens (default: a preset's own, 1048576 code-head, "
+                        "2097152 prose-head, 524288 code-draft; with --self-distill 1048576 "
+                        "for a head, 524288 for a draft model; else 65536)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--doc-tokens", type=int, default=2048,
                    help="at most this many tokens from each document (corpus variety)")
@@ -94,12 +96,14 @@ def _apply_preset(args: argparse.Namespace) -> None:
     from kiln.cli import CliError
 
     if args.preset:
-        domain, kind = PRESETS[args.preset]
+        domain, kind, tokens = PRESETS[args.preset]
         if args.kind not in (None, kind):
             raise CliError(f"--preset {args.preset} trains a {kind}, not a {args.kind}")
         args.kind, args.domain = kind, args.domain or domain
         if args.self_distill is None:
             args.self_distill = True
+        if args.max_tokens is None and args.self_distill:
+            args.max_tokens = tokens
         if args.out is None:
             from kiln.spec.resolve import speculators_home
             args.out = str(speculators_home() / args.preset)
