@@ -106,9 +106,9 @@ class Speculator:
         (up to the lookup controller's k) unless matches of its length have paid less than
         the proposer's drafts promise (`_lookup_pays`) and the proposer drafts this step;
         the proposer drafts for the others (up to its own k; it still sees every step, to
-        follow the target). Returns the wanted drafts, the
-        drafts, each one's controller, and (controller, k) the step's cost is booked to:
-        the proposer's when it drafted (its time is in the step), else lookup's."""
+        follow the target). Returns the wanted drafts, the drafts, each one's controller, and
+        (controller, k) the step's cost is booked to: the proposer's when it drafted (its
+        time is in the step), else lookup's."""
         c, batch = self.config, len(candidates)
         found = [ngram_match(np.asarray(r.all_token_ids), self._cap(r, c.num_speculative_tokens),
                              c.ngram_min, c.ngram_max) for r in candidates]
