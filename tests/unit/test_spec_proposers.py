@@ -126,6 +126,57 @@ def test_two_controllers_share_the_no_drafts_baseline():
     assert lookup.choose(1) == 3 and chosen[-100:].count(0) >= 90
 
 
+def steps_until_off(adaptive: AdaptiveK, ids: list[str], judge_by_request: bool) -> int:
+    """Steps until a batch of new requests whose drafts are never accepted stops drafting."""
+    cost = lambda b, k: b * (1 + 0.2 * k)  # noqa: E731  compute-bound batch
+    for step in range(1, 500):
+        k = adaptive.choose(len(ids), ids if judge_by_request else ())
+        if k == 0:
+            return step
+        for rid in ids:
+            adaptive.observe_acceptance(k, 0, rid)
+        adaptive.observe_cost(len(ids), k, cost(len(ids), k))
+    return 500
+
+
+def test_adaptive_judges_new_traffic_by_its_own_acceptance():
+    """After a long run of traffic whose drafts were always accepted, a batch of requests
+    whose drafts never are stops drafting after a few of its own verifications, where the
+    global estimate (fading by 0.995 per verification) would take several times as many."""
+    def trained() -> AdaptiveK:
+        adaptive = AdaptiveK(max_k=3)
+        drive(adaptive, 8, lambda b, k: b * (1 + 0.2 * k), accept_len=3, steps=300)
+        return adaptive
+    ids = [f"new-{i}" for i in range(8)]
+    own, overall = steps_until_off(trained(), ids, True), steps_until_off(trained(), ids, False)
+    assert own <= 8 and overall >= 4 * own, (own, overall)
+
+
+def test_adaptive_request_records_start_from_the_global_estimate_and_fade_back():
+    adaptive = AdaptiveK(max_k=3)
+    for _ in range(200):
+        adaptive.observe_acceptance(3, 3)
+    overall = adaptive.acceptance(1)
+    assert overall > 0.95 and adaptive.acceptance(1, "fresh") == overall
+    for _ in range(4):
+        adaptive.observe_acceptance(3, 0, "unlucky")
+    assert adaptive.acceptance(1, "unlucky") < 0.6  # own misses count as much as the prior
+    assert adaptive.expected_tokens(3, ["unlucky"]) < adaptive.expected_tokens(3) - 1
+    mixed = adaptive.expected_tokens(3, ["unlucky", "fresh"])
+    assert adaptive.expected_tokens(3, ["unlucky"]) < mixed < adaptive.expected_tokens(3)
+    # a request left without drafts drifts back toward the global estimate, so it is retried
+    for _ in range(3):
+        for k in range(4):
+            adaptive.observe_cost(1, k, 1.0 + 0.6 * k)
+    assert adaptive.choose(1, ["unlucky"]) == 0
+    before = adaptive.acceptance(1, "unlucky")
+    for _ in range(20):
+        adaptive.choose(1, ["unlucky"])
+    assert before < adaptive.acceptance(1, "unlucky") < adaptive.acceptance(1)
+    adaptive.forget(["unlucky"])
+    assert adaptive.acceptance(1, "unlucky") == adaptive.acceptance(1)
+
+
 def test_adaptive_off_always_asks_for_k_and_caps_batch():
     assert AdaptiveK(max_k=3, enabled=False).choose(64) == 3
     capped = AdaptiveK(max_k=3, max_batch_size=4)

@@ -8,12 +8,22 @@ large batches it is compute-bound and they are not) and on the traffic (acceptan
 step we pick the k with the most expected tokens per second, from measurements:
 
   tokens(k) = 1 + sum_{i=1..k} a_1 * ... * a_i    a_i: measured P(draft i was proposed and
-                                                  accepted | i were asked for, i - 1 accepted)
+                                                  accepted | i were asked for, i - 1 accepted),
+                                                  averaged over the requests to draft for
   cost(b, k) = measured seconds per sequence of a step at batch size bucket b verifying k
                drafts, proposer time included (decode-only steps; the lower quartile of
                the last 9, so a stall caused by someone else's process cannot flip the
                choice, nor make an arm that was probed only a few times look dear)
   k* = argmax_k tokens(k) / cost(b, k), over k = 0 and the k that beat k = 0 by 10%
+
+Acceptance is judged per request: each keeps its own counts (fading by 0.95 per
+verification), which start from the estimate over all traffic (fading by 0.995) worth two
+verifications. Traffic shifts (a server's code requests give way to prose, where lookup's
+drafts are accepted half as often): one global estimate would keep the new requests drafting
+on the old traffic's acceptance for hundreds of verifications, while their own misses switch
+them off in a few (the unit tests' synthetic batch of 8: 6 steps rather than 36). A request
+left without drafts has its own counts fade the same way, back toward the global estimate, so
+a few unlucky misses do not switch it off for good.
 
 Arms never measured in a bucket are tried first (a few steps each); afterwards a probe step
 re-measures a neighbour of the best arm or k = 0 (in turn), so costs and acceptance keep up
@@ -34,6 +44,7 @@ on this machine; BENCHMARKS.md.)
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -67,10 +78,15 @@ class AdaptiveK:
     min_samples: int = 3  # measurements before an arm is trusted
     margin: float = 0.1  # drafting must promise this much more than no drafts
     acceptance_decay: float = 0.995  # per verified draft: old evidence fades
+    request_prior: float = 2.0  # a request's own record starts as this many verifications
+    # of the global estimate...
+    request_decay: float = 0.95  # ...and its own verifications fade faster than the global
     _arms: dict[tuple[int, int], _Arm] = field(default_factory=dict)  # (bucket, k >= 1)
     _baseline: dict[int, _Arm] = field(default_factory=dict)  # bucket -> the k = 0 arm
     _tried: list[float] = field(default_factory=list)  # per draft position (decayed counts)
     _accepted: list[float] = field(default_factory=list)
+    _requests: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
+    # request id -> its own (tried, accepted) per draft position (decayed counts)
     _steps: dict[int, int] = field(default_factory=dict)  # decisions per bucket
     _probe: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)  # bucket ->
     # (next probe step, interval, best arm at the last probe, probes so far)
@@ -81,16 +97,29 @@ class AdaptiveK:
 
     # -- estimates ------------------------------------------------------------------------
 
-    def acceptance(self, position: int) -> float:
-        """P(draft `position` (1-based) proposed and accepted | the ones before were);
-        prior 0.5."""
+    def acceptance(self, position: int, request_id: str | None = None) -> float:
+        """P(draft `position` (1-based) proposed and accepted | the ones before were): over
+        all requests (prior 0.5), or for one request (its own verifications, with the global
+        estimate as the prior, worth `request_prior` of them)."""
         i = position - 1
-        return (self._accepted[i] + 1.0) / (self._tried[i] + 2.0)
+        overall = (self._accepted[i] + 1.0) / (self._tried[i] + 2.0)
+        record = self._requests.get(request_id) if request_id is not None else None
+        if record is None:
+            return overall
+        tried, accepted = record
+        return (accepted[i] + self.request_prior * overall) / (tried[i] + self.request_prior)
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: int, request_ids: Sequence[str] = ()) -> float:
+        """Tokens per sequence from a step verifying k drafts: the mean over `request_ids`
+        (each by its own record), else over all traffic."""
+        if not request_ids:
+            return self._expected_tokens(k, None)
+        return sum(self._expected_tokens(k, rid) for rid in request_ids) / len(request_ids)
+
+    def _expected_tokens(self, k: int, request_id: str | None) -> float:
         total, chain = 1.0, 1.0
         for i in range(1, k + 1):
-            chain *= self.acceptance(i)
+            chain *= self.acceptance(i, request_id)
             total += chain
         return total
 
@@ -111,8 +140,9 @@ class AdaptiveK:
 
     # -- decisions ------------------------------------------------------------------------
 
-    def choose(self, batch_size: int) -> int:
-        """k for a step with `batch_size` sequences decoding."""
+    def choose(self, batch_size: int, request_ids: Sequence[str] = ()) -> int:
+        """k for a step with `batch_size` sequences decoding, drafting for `request_ids`
+        (judged by their own acceptance; none given: by all traffic's)."""
         if not self.enabled:
             return self.max_k
         if batch_size < 1 or (self.max_batch_size is not None
@@ -124,10 +154,12 @@ class AdaptiveK:
                    if self._arm(bucket, k).samples < self.min_samples]
         if untried:
             return untried[0]
-        best = self._best(bucket)
+        best = self._best(bucket, request_ids)
         due, interval, last_best, count = self._probe.setdefault(
             bucket, (n + self.explore_every, self.explore_every, best, 0))
         if n < due:
+            if best == 0:
+                self._fade(request_ids)
             return best
         interval = (min(2 * interval, self.max_explore_every) if best == last_best
                     else self.explore_every)
@@ -137,12 +169,12 @@ class AdaptiveK:
         probes = sorted({k for k in (0, best - 1, best + 1) if 0 <= k <= self.max_k} - {best})
         return probes[count % len(probes)]
 
-    def _best(self, bucket: int) -> int:
+    def _best(self, bucket: int, request_ids: Sequence[str]) -> int:
         """The k with the most expected tokens per second among those that beat no drafts
         by `margin`: estimates are noisy, and a wrong "drafting pays" costs far more than a
         missed marginal gain (at large batches a step verifying drafts is dear, and sequences
         that race ahead leave the others decoding in smaller batches)."""
-        rate = [self.expected_tokens(k) / self._arm(bucket, k).seconds
+        rate = [self.expected_tokens(k, request_ids) / self._arm(bucket, k).seconds
                 for k in range(self.max_k + 1)]
         paying = [k for k in range(1, self.max_k + 1) if rate[k] > rate[0] * (1 + self.margin)]
         return max(paying, key=lambda k: rate[k], default=0)
@@ -156,13 +188,38 @@ class AdaptiveK:
         arm.recent.append(seconds / batch_size)
         arm.samples += 1
 
-    def observe_acceptance(self, num_asked: int, num_accepted: int) -> None:
+    def observe_acceptance(self, num_asked: int, num_accepted: int,
+                           request_id: str | None = None) -> None:
         """One verification of a request asked for `num_asked` drafts: drafts 1..num_accepted
-        passed, draft num_accepted + 1 failed (rejected, or never proposed)."""
-        for i in range(min(num_asked, self.max_k)):
-            self._tried[i] = self._tried[i] * self.acceptance_decay + 1.0
-            self._accepted[i] *= self.acceptance_decay
-            if i < num_accepted:
-                self._accepted[i] += 1.0
-            else:
-                break
+        passed, draft num_accepted + 1 failed (rejected, or never proposed). Counted over all
+        traffic and, given its id, in the request's own record (until `forget`)."""
+        _count(self._tried, self._accepted, num_asked, num_accepted, self.acceptance_decay)
+        if request_id is not None:
+            tried, accepted = self._requests.setdefault(
+                request_id, ([0.0] * self.max_k, [0.0] * self.max_k))
+            _count(tried, accepted, num_asked, num_accepted, self.request_decay)
+
+    def _fade(self, request_ids: Sequence[str]) -> None:
+        """Requests left without drafts: their own evidence fades toward the global estimate
+        (as a verification would), so one that a few misses switched off is tried again."""
+        for rid in request_ids:
+            if (record := self._requests.get(rid)) is not None:
+                for counts in record:
+                    counts[:] = [c * self.request_decay for c in counts]
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop finished requests' own records."""
+        for rid in request_ids:
+            self._requests.pop(rid, None)
+
+
+def _count(tried: list[float], accepted: list[float], num_asked: int, num_accepted: int,
+           decay: float) -> None:
+    """Decayed per-position counts: positions 1..num_accepted passed, the next one failed."""
+    for i in range(min(num_asked, len(tried))):
+        tried[i] = tried[i] * decay + 1.0
+        accepted[i] *= decay
+        if i < num_accepted:
+            accepted[i] += 1.0
+        else:
+            break

@@ -4,7 +4,8 @@
 `after_step` once per step, after `Scheduler.update`, so requests hold verified tokens only:
 
   1. the adaptive controller gets the step's measured cost and each request's acceptance;
-  2. it picks k for the next step (0 = no drafts this time);
+  2. it picks k for the next step (0 = no drafts this time), judging acceptance by the
+     requests it would draft for (their own records, the global estimate as the prior);
   3. the proposer guesses up to k tokens for each running request that just sampled, capped
      so a draft never sits past `max_tokens` (the bonus token needs the last slot) or
      `max_model_len` (with `ngram_first`, requests whose text has an n-gram match take its
@@ -89,7 +90,8 @@ class Speculator:
         started = time.perf_counter()
         candidates = self._candidates(sched)
         if self.lookup is None:
-            k = self.adaptive.choose(len(candidates)) if candidates else 0
+            k = (self.adaptive.choose(len(candidates), [r.request_id for r in candidates])
+                 if candidates else 0)
             wanted = [DraftRequest(r, n) for r in candidates if (n := self._cap(r, k)) > 0]
             drafts = self.proposer.propose(sched, wanted)
             sources, planned = [self.adaptive] * len(wanted), (self.adaptive, k)
@@ -112,13 +114,15 @@ class Speculator:
         c, batch = self.config, len(candidates)
         found = [ngram_match(np.asarray(r.all_token_ids), self._cap(r, c.num_speculative_tokens),
                              c.ngram_min, c.ngram_max) for r in candidates]
-        pays = [bool(f) and self._lookup_pays(batch, n) for f, n in found]
+        pays = [bool(f) and self._lookup_pays(batch, n, r.request_id)
+                for r, (f, n) in zip(candidates, found, strict=True)]
         rest = [r for r, p in zip(candidates, pays, strict=True) if not p]
-        k_model = self.adaptive.choose(batch) if rest else 0
+        k_model = self.adaptive.choose(batch, [r.request_id for r in rest]) if rest else 0
         # a match passed over for the model still drafts in a step where the model does not
         matched = [(r, f, n) for r, (f, n), p in zip(candidates, found, pays, strict=True)
                    if f and (p or not k_model)]
-        k_lookup = self.lookup.choose(batch) if matched else 0
+        k_lookup = (self.lookup.choose(batch, [r.request_id for r, _, _ in matched])
+                    if matched else 0)
         to_model = [DraftRequest(r, n) for r in rest if (n := self._cap(r, k_model)) > 0]
         model_drafts = self.proposer.propose(sched, to_model)
         to_lookup = [DraftRequest(r, self._cap(r, k_lookup)) for r, _, _ in matched if k_lookup]
@@ -135,10 +139,11 @@ class Speculator:
                    else (self.lookup, k_lookup))
         return wanted, drafts, sources, planned
 
-    def _lookup_pays(self, batch: int, match_length: int) -> bool:
+    def _lookup_pays(self, batch: int, match_length: int, request_id: str) -> bool:
         """Whether a request whose text ends in an n-gram match of this length takes lookup's
         drafts rather than the model's: each source's expected tokens per step (1 + accepted
-        drafts) per second of its measured step cost (the model's includes its drafting).
+        drafts; the model's by the request's own record) per second of its measured step
+        cost (the model's includes its drafting).
         A length not yet tried goes to lookup (its prior is k accepted); without adaptive
         speculation, every match does."""
         if not self.adaptive.enabled:
@@ -146,7 +151,7 @@ class Speculator:
         k = self.config.num_speculative_tokens
         verifies, accepted = self._by_match.get(match_length, (0.0, 0.0))
         lookup = 1.0 + (accepted + k) / (verifies + 1.0)
-        model = self.adaptive.expected_tokens(k)
+        model = self.adaptive.expected_tokens(k, [request_id])
         lookup_cost, model_cost = self.lookup.cost(batch, k), self.adaptive.cost(batch, k)
         if lookup_cost and model_cost:
             return lookup / lookup_cost >= model / model_cost
@@ -184,7 +189,7 @@ class Speculator:
             asked = self._asked.pop(out.request_id, None)
             if asked is not None and (out.new_token_ids or out.num_draft_tokens):
                 num_asked = asked[0] if out.num_draft_tokens == asked[1] else out.num_draft_tokens
-                asked[2].observe_acceptance(num_asked, out.num_accepted_tokens)
+                asked[2].observe_acceptance(num_asked, out.num_accepted_tokens, out.request_id)
             if asked is not None and out.num_draft_tokens:
                 out.draft_source = self._source[id(asked[2])]
             if (n := self._match_of.pop(out.request_id, 0)) and (out.new_token_ids
@@ -202,6 +207,9 @@ class Speculator:
         for rid in finished:
             self._asked.pop(rid, None)
             self._match_of.pop(rid, None)
+        for controller in (self.adaptive, self.lookup):
+            if controller is not None and finished:
+                controller.forget(finished)
         if self._last is not None and _decode_only(sched, self._last[0]):
             batch, controller, k, propose_seconds = self._last
             controller.observe_cost(batch, k, step_seconds + propose_seconds)
