@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from transformers import AutoTokenizer  # noqa: F401  (import before engines start threads)
 
 from kiln import LLM, SamplingParams
+from kiln.bench.result import cpu_summary
 from kiln.config import SpeculativeConfig
 from kiln.engine.core import EngineRequest
 from kiln.spec.data import code_corpus, prose_corpus, prose_source
@@ -259,7 +260,8 @@ def report(runs: dict[tuple, list[Run]], names: list[str], args, run_log: list[d
               f"{r['speedup']:.2f}x | {r['tokens_per_cpu_s']:.1f} | {r['cpu_speedup']:.2f}x | "
               f"{acc} |")
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "prose": prose_source(), "rows": rows, "runs": run_log}, f, indent=2)
+        json.dump({"args": vars(args), "cpu": cpu_summary(), "prose": prose_source(),
+                   "rows": rows, "runs": run_log}, f, indent=2)
     plot(rows, str(args.out).removesuffix(".json") + ".png")
 
 

@@ -162,3 +162,17 @@ def test_unreachable_server_is_a_one_line_error(tokenizer_dir, tmp_path, capsys)
     assert main(serve_args(url, tokenizer_dir, tmp_path / "x.json", "--concurrency", "1")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "warm-up request" in err[-1] and "connection" in err[-1]
+
+
+def test_cpu_summary_names_the_vector_extensions(tmp_path):
+    from kiln.bench.result import cpu_summary
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Test CPU\nflags\t\t: fpu avx2 avx512f "
+                    "avx512_bf16\n")
+    assert cpu_summary(str(info)) == {"model": "Test CPU",
+                                      "extensions": ["avx2", "avx512f", "avx512_bf16"],
+                                      "native_bf16": True}
+    info.write_text("model name\t: Old CPU\nflags\t\t: fpu avx2\n")
+    assert cpu_summary(str(info))["native_bf16"] is False
+    assert cpu_summary(str(tmp_path / "missing"))["native_bf16"] is False

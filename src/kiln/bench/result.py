@@ -49,6 +49,28 @@ class Environment:
             command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]))
 
 
+def cpu_summary(cpuinfo: str = "/proc/cpuinfo") -> dict[str, object]:
+    """The CPU a CPU benchmark ran on: its model and the vector extensions that decide kiln's
+    speed (without AVX-512 BF16 or AMX, bf16 matmuls are emulated and a step's cost grows with
+    its query tokens almost as if compute-bound, so speculation's extra tokens stop being
+    nearly free)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() in ("flags", "Features"):
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "bf16")
+    return {"model": model, "extensions": [f for f in wanted if f in flags],
+            "native_bf16": bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})}
+
+
 @dataclass(frozen=True)
 class BenchResult:
     schema: str
