@@ -57,6 +57,9 @@ def _error(server, path: str, body, status: int, **headers) -> dict:
     (CHAT, {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
     (CHAT, {"messages": MSG, "temperature": "hot"}, "temperature"),
     (CHAT, {"messages": MSG, "stream": "yes please"}, "stream"),
+    (CHAT, {"messages": MSG, "stream": 1}, "stream"),
+    (CHAT, {"messages": MSG, "logprobs": "true"}, "logprobs"),
+    (CHAT, {"messages": MSG, "structured_outputs": {"json_object": 0}}, "structured_outputs"),
 ])
 def test_bad_parameter_is_a_400_naming_it(server, path, body, param):
     error = _error(server, path, body, 400)

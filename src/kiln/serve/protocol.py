@@ -1,16 +1,17 @@
 """The OpenAI-compatible request and response schemas (pydantic), plus kiln's extensions.
 
 Requests are validated here: ranges are part of the schema (so the OpenAPI document states
-them), and every violation becomes a 400 naming the field (`kiln.serve.errors`). Unknown fields
-are ignored, as OpenAI-compatible servers commonly do. Caps that are server settings (`n`,
-`top_logprobs`) are checked by the handlers, since a schema is fixed at import.
+them; booleans must be JSON booleans, not 0/1 or "true"), and every violation becomes a 400
+naming the field (`kiln.serve.errors`). Unknown fields are ignored, as OpenAI-compatible
+servers commonly do. Caps that are server settings (`n`, `top_logprobs`) are checked by the
+handlers, since a schema is fixed at import.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 INT64 = 2**63
 StopString = Annotated[str, Field(min_length=1, max_length=1024)]
@@ -22,7 +23,7 @@ class _Model(BaseModel):
 
 
 class StreamOptions(_Model):
-    include_usage: bool = False  # a last chunk with `usage` (and empty `choices`)
+    include_usage: StrictBool = False  # a last chunk with `usage` (and empty `choices`)
 
 
 # -- structured output (kiln.structured) ----------------------------------------------------------
@@ -30,8 +31,8 @@ class StreamOptions(_Model):
 class JSONSchemaSpec(_Model):
     name: str = Field("response", max_length=256)
     description: str | None = None
-    schema_: dict | bool | None = Field(None, alias="schema", description="the JSON schema")
-    strict: bool | None = None  # accepted; kiln always decodes strictly
+    schema_: dict | StrictBool | None = Field(None, alias="schema", description="the JSON schema")
+    strict: StrictBool | None = None  # accepted; kiln always decodes strictly
 
 
 class ResponseFormat(_Model):
@@ -44,13 +45,13 @@ class StructuredOutputs(_Model):
     structural_tag (see docs/structured.md)."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
-    json_: dict | bool | str | None = Field(None, alias="json", description="a JSON schema")
+    json_: dict | StrictBool | str | None = Field(None, alias="json", description="a JSON schema")
     regex: str | None = None
     choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
     grammar: str | None = Field(None, description="EBNF (xgrammar / GBNF), root rule `root`")
-    json_object: bool | None = None
+    json_object: StrictBool | None = None
     structural_tag: dict | str | None = Field(None, description="an xgrammar structural tag")
-    disable_any_whitespace: bool = Field(True, description="kiln default true: compact JSON")
+    disable_any_whitespace: StrictBool = Field(True, description="kiln default true: compact JSON")
 
 
 class RepetitionGuard(_Model):
@@ -77,10 +78,10 @@ class SamplingRequest(_Model):
     repetition_penalty: float | None = Field(None, gt=0, le=100)
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # recorded nowhere; accepted for compatibility
-    ignore_eos: bool = Field(False, description="kiln: keep generating past end-of-sequence")
+    ignore_eos: StrictBool = Field(False, description="kiln: keep generating past end-of-sequence")
     min_tokens: int = Field(0, ge=0, lt=2**31, description="kiln: no EOS/stop before this many")
     priority: int = Field(0, ge=-(2**31), lt=2**31,
                           description="kiln: lower runs first when the server uses --policy priority")
@@ -121,7 +122,7 @@ class FunctionDef(_Model):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict | None = None  # JSON schema of the arguments; None = any object
-    strict: bool | None = None  # accepted; forced calls always decode strictly
+    strict: StrictBool | None = None  # accepted; forced calls always decode strictly
 
 
 class ToolDef(_Model):
@@ -142,11 +143,11 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: Annotated[list[ToolDef], Field(max_length=512)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
 
 
 class FunctionCallOut(BaseModel):
@@ -263,7 +264,7 @@ class CompletionRequest(SamplingRequest):
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     max_tokens: int | None = Field(16, ge=0, description="0 with echo: prompt logprobs only")
-    echo: bool = False
+    echo: StrictBool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, description="only best_of == n is supported")
     suffix: str | None = Field(None, description="not supported; must be absent")
@@ -312,8 +313,8 @@ class TokenizeRequest(_Model):
     model: str | None = None
     prompt: str | None = None  # either a prompt ...
     messages: list[ChatMessage] | None = None  # ... or chat messages (the template applies)
-    add_special_tokens: bool = True  # prompt only
-    add_generation_prompt: bool = True  # messages only
+    add_special_tokens: StrictBool = True  # prompt only
+    add_generation_prompt: StrictBool = True  # messages only
 
 
 class TokenizeResponse(BaseModel):
