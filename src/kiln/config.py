@@ -24,7 +24,9 @@ class ModelConfig:
     seed: int = 0  # seed of the engine's default sampling generator
     quantization: str | None = None  # weight format to quantize dense weights into on load
     attention_backend: str = "auto"  # auto (cpu kernels where they build), torch, cpu
-    linear_backend: str = "auto"  # dense matmuls: auto (oneDNN prepacked for bf16), torch
+    # dense matmuls: auto (oneDNN prepacked for bf16; without bf16 instructions, bf16-fp32:
+    # kiln's kernel widening bf16 weights to fp32), onednn, bf16-fp32, torch
+    linear_backend: str = "auto"
     kernels: str = "auto"  # fused C++ CPU ops: auto (where they build), torch (reference), cpp
 
     def __post_init__(self):
@@ -32,8 +34,8 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kernels not in ("auto", "torch", "cpp"):
             raise ValueError(f"kernels must be auto, torch or cpp, got {self.kernels!r}")
-        if self.linear_backend not in ("auto", "torch", "onednn"):
-            raise ValueError(f"linear_backend must be auto, torch or onednn, "
+        if self.linear_backend not in ("auto", "torch", "onednn", "bf16-fp32"):
+            raise ValueError(f"linear_backend must be auto, torch, onednn or bf16-fp32, "
                              f"got {self.linear_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

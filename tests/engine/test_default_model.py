@@ -69,20 +69,31 @@ def test_kiln_answers_paris_and_matches_hf_greedy(default_path):
     assert out.outputs[0].token_ids == ref[:len(out.outputs[0].token_ids)]
 
 
-def test_bf16_fast_path_matches_reference_path_greedy(default_path):
+def test_bf16_fast_path_matches_reference_path(default_path):
     """bf16 with the C++ kernels (long-query prefill attention, paged decode, fused norms)
-    against the plain torch reference path: the same greedy tokens on a batch whose prompts
-    are long enough for the prefill kernel."""
+    against the plain torch reference path, both judged by the fp32 model: every prompt
+    position's log-probability as close to fp32 on the fast path as on the reference path, on
+    a batch whose long prompt runs the prefill kernel, and the same greedy tokens where fp32's
+    choice is clear. (On the long prompt fp32's first two candidates are 0.08 nats apart, so
+    two bf16 rounding orders may pick either: greedy equality there tests the coin, not the
+    kernels.)"""
     from kiln import LLM, SamplingParams
 
     text = ("Explain, step by step, how a hash table handles collisions, and compare open "
             "addressing with separate chaining in terms of memory use and speed. ")
     conversations = [[{"role": "user", "content": text * n}] for n in (1, 6)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    outs = {}
-    for kernels in ("cpp", "torch"):
-        llm = LLM(str(default_path), dtype="bfloat16", max_model_len=512, kernels=kernels)
-        fast = llm.engine.runner.backend.__class__.__name__ == "CpuPagedAttention"
-        assert fast == (kernels == "cpp")
-        outs[kernels] = [o.outputs[0].token_ids for o in llm.chat(conversations, params)]
-    assert outs["cpp"] == outs["torch"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
+    outs, prompt_lp = {}, {}
+    for dtype, kernels in (("float32", "auto"), ("bfloat16", "cpp"), ("bfloat16", "torch")):
+        llm = LLM(str(default_path), dtype=dtype, max_model_len=512, kernels=kernels)
+        if dtype == "bfloat16":
+            fast = llm.engine.runner.backend.__class__.__name__ == "CpuPagedAttention"
+            assert fast == (kernels == "cpp")
+        results = llm.chat(conversations, params)
+        outs[kernels] = [o.outputs[0].token_ids for o in results]
+        prompt_lp[kernels] = np.array([next(iter(d.values())).logprob for o in results
+                                       for d in o.prompt_logprobs[1:]])
+    err = {k: np.abs(prompt_lp[k] - prompt_lp["auto"]) for k in ("cpp", "torch")}
+    assert err["cpp"].mean() <= 1.25 * err["torch"].mean() + 0.005, err
+    assert err["cpp"].max() <= 2 * err["torch"].max() + 0.05, err
+    assert outs["cpp"][0] == outs["torch"][0] == outs["auto"][0]

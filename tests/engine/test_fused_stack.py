@@ -48,14 +48,36 @@ def run(llm, monkeypatch, calls: list) -> list:
 
 
 def test_fused_stack_is_bit_identical_to_the_layer_path(llm, layered_llm, monkeypatch):
-    if not llama.stack_weights(llm.engine.runner.model):
-        pytest.skip("this machine's model is not on the oneDNN fast path")
+    stack = llama.stack_weights(llm.engine.runner.model)
+    if not stack:
+        pytest.skip("this machine's model is not on the fast path")
     fused_calls, layer_calls = [], []
     fused = run(llm, monkeypatch, fused_calls)
     layered = run(layered_llm, monkeypatch, layer_calls)
-    assert layer_calls == []
-    assert max(fused_calls) > len(PROMPTS) and len(PROMPTS) in fused_calls  # prefill, decode
+    assert layer_calls == [] and len(PROMPTS) in fused_calls  # decode steps fused
+    if stack["max_tokens"] > max(len(p) for p in PROMPTS):  # oneDNN: prefill fused too
+        assert max(fused_calls) > len(PROMPTS)
+    assert max(fused_calls) <= stack["max_tokens"]
     assert fused == layered  # tokens and logprobs, exactly
+
+
+def test_bf16_fp32_weights_fuse_on_decode_steps_only(tiny_ckpt, monkeypatch):
+    """bf16 weights with fp32 arithmetic (kiln's bf16_gemm, the default on CPUs without bf16
+    instructions; forced here so every machine runs it) inside the stack on decode-sized
+    steps, prefill layer by layer, with the same bits as the per-layer path."""
+    from kiln.models.layers.cpu_bf16 import BF16_GEMM_MAX_TOKENS
+
+    fused_llm = tiny_llm(tiny_ckpt, linear_backend="bf16-fp32")
+    stack = llama.stack_weights(fused_llm.engine.runner.model)
+    assert stack["plain_bf16"] and stack["max_tokens"] == BF16_GEMM_MAX_TOKENS
+    layered_llm = tiny_llm(tiny_ckpt, linear_backend="bf16-fp32")
+    layered_llm.engine.runner.model._stack = {}
+    fused_calls, layer_calls = [], []
+    fused = run(fused_llm, monkeypatch, fused_calls)
+    layered = run(layered_llm, monkeypatch, layer_calls)
+    assert layer_calls == [] and len(PROMPTS) in fused_calls
+    assert max(fused_calls) <= BF16_GEMM_MAX_TOKENS
+    assert fused == layered
 
 
 def test_hooks_turn_the_fused_path_off(tiny_ckpt, monkeypatch):
@@ -96,6 +118,5 @@ def test_int8_weights_fuse_on_decode_steps_only(tiny_ckpt, monkeypatch):
     fused = run(fused_llm, monkeypatch, fused_calls)
     layered = run(layered_llm, monkeypatch, layer_calls)
     assert layer_calls == [] and fused_calls
-    assert max(fused_calls) <= llama.stack_weights(
-        fused_llm.engine.runner.model)["int8_max_tokens"]
+    assert max(fused_calls) <= llama.stack_weights(fused_llm.engine.runner.model)["max_tokens"]
     assert fused == layered

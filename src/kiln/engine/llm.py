@@ -38,14 +38,16 @@ class LLM:
                  enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs",
                  quantization: str | None = None, seed: int = 0,
                  num_threads: int | None = None, tokenizer: str | None = None,
-                 kernels: str = "auto", speculator: str | None = None,
+                 kernels: str = "auto", linear_backend: str = "auto",
+                 speculator: str | None = None,
                  speculative_config: SpeculativeConfig | None = None,
                  repetition_guard: str = "stop"):
         from kiln.spec.resolve import resolve_speculative_config
 
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              quantization=quantization, kernels=kernels),
+                              quantization=quantization, kernels=kernels,
+                              linear_backend=linear_backend),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,

@@ -10,6 +10,7 @@ projections (`qkv_proj`, `gate_up_proj`), which the loader fills shard by shard.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -207,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
             return False
         if meta.long is not None and not self._stack["long_ok"]:
             return False
-        if self._stack["int8"] and meta.num_tokens > self._stack["int8_max_tokens"]:
+        if meta.num_tokens > self._stack["max_tokens"]:
             return False
         return not (global_hooks() or any(self._stack["hook_dicts"]))
 
@@ -221,7 +222,7 @@ def global_hooks() -> bool:
 def stack_weights(model: LlamaForCausalLM) -> dict:
     """The per-layer tensors `kiln::llama_stack` takes, or {} when the model is not on the
     fast path throughout (reference ops, another attention backend, q/k norms, a linear with a
-    bias or in a format other than oneDNN bf16 and weight-only int8)."""
+    bias or in a format other than oneDNN bf16, kiln's bf16-fp32 and weight-only int8)."""
     from kiln.runner.attention import CpuPagedAttention
 
     layers = list(model.model.layers)
@@ -239,8 +240,13 @@ def stack_weights(model: LlamaForCausalLM) -> dict:
     int8 = any(t[1].numel() for t in stored)
     for name, ms in projections.items():  # empty lists: every layer bf16
         out[f"{name}_scale"] = [tensors[m][1] for m in ms] if int8 else []
+    from kiln.models.layers.cpu_bf16 import BF16_GEMM_MAX_TOKENS, CpuBf16LinearMethod
     from kiln.quant.kernels import INT8_GEMV_MAX_TOKENS
 
+    plain_bf16 = any(isinstance(m.method, CpuBf16LinearMethod) for m in linears)
+    # int8_gemv and bf16_gemm serve only decode-sized steps; larger ones go layer by layer
+    limits = [limit for limit, used in ((INT8_GEMV_MAX_TOKENS, int8),
+                                        (BF16_GEMM_MAX_TOKENS, plain_bf16)) if used]
     return out | {
         "input_norm": [layer.input_layernorm.weight for layer in layers],
         "post_norm": [layer.post_attention_layernorm.weight for layer in layers],
@@ -251,20 +257,24 @@ def stack_weights(model: LlamaForCausalLM) -> dict:
                        for d in (m._forward_hooks, m._forward_pre_hooks)],
         "long_ok": (attn[0].backend.bf16_prefill and model.arch.head_dim in (64, 128)
                     and model.model.embed_tokens.weight.dtype == torch.bfloat16),
-        "int8": int8,  # int8_gemv serves only decode-sized steps
-        "int8_max_tokens": INT8_GEMV_MAX_TOKENS,
+        "plain_bf16": plain_bf16,  # bf16 weights through bf16_gemm, not oneDNN-packed
+        "max_tokens": min(limits, default=math.inf),  # the largest step the stack serves
     }
 
 
 def stack_linear_tensors(m: Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(weight, scale) of one linear as `kiln::llama_stack` reads it: a oneDNN-packed bf16
-    weight with an empty scale, or int8 weight-only rows with their scales; None otherwise."""
+    """(weight, scale) of one linear as `kiln::llama_stack` reads it: a oneDNN-packed or a
+    plain bf16 weight (`dense-bf16-fp32`) with an empty scale, or int8 weight-only rows with
+    their scales; None otherwise."""
+    from kiln.models.layers.cpu_bf16 import CpuBf16LinearMethod
     from kiln.models.layers.onednn import OneDNNLinearMethod
 
     if m.bias is not None:
         return None
     if isinstance(m.method, OneDNNLinearMethod) and hasattr(m, "packed_weight"):
         return m.packed_weight, _NO_SCALE
+    if isinstance(m.method, CpuBf16LinearMethod) and m.weight.dtype == torch.bfloat16:
+        return m.weight, _NO_SCALE
     try:
         from kiln.quant.linear import Int8LinearMethod
     except ImportError:  # pragma: no cover - kiln.quant ships with kiln
@@ -295,4 +305,4 @@ def fused_stack(model: LlamaForCausalLM, x, positions, kv_caches, meta) -> torch
         norm.weight, model.rotary.cos32, model.rotary.sin32,
         [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping, *short_args,
         *long_args, meta.block_size, a.head_dim ** -0.5, norm.eps, a.num_heads,
-        a.num_kv_heads, a.head_dim)
+        a.num_kv_heads, a.head_dim, w["plain_bf16"])

@@ -61,7 +61,7 @@ def load_model(path: str | Path, dtype: torch.dtype, backend,
     path = Path(path)
     hf_config = read_hf_config(path)
     cls, arch = resolve_architecture(hf_config)
-    method_for = _method_chooser(hf_config, quantization, _dense_method(dtype, linear_backend))
+    method_for = _method_chooser(hf_config, quantization, dense_method(dtype, linear_backend))
     model = cls(arch, dtype=dtype, backend=backend, method_for=method_for, ops=ops)
     _load_weights(model, path)
     if arch.tie_word_embeddings:
@@ -73,16 +73,25 @@ def load_model(path: str | Path, dtype: torch.dtype, backend,
     return LoadedModel(model.eval(), hf_config, path)
 
 
-def _dense_method(dtype: torch.dtype, linear_backend: str) -> str:
-    """The dense weight format: oneDNN-prepacked bf16 where it runs, else plain torch."""
+def dense_method(dtype: torch.dtype, linear_backend: str = "auto") -> str:
+    """The dense weight format: oneDNN-prepacked bf16 where it runs, else bf16 weights with
+    fp32 arithmetic in kiln's kernel (CPUs without bf16 instructions), else plain torch."""
+    from kiln.models.layers.cpu_bf16 import cpu_bf16_available
     from kiln.models.layers.onednn import onednn_available
 
     if linear_backend == "torch":
         return "dense"
+    if linear_backend == "bf16-fp32":
+        if not cpu_bf16_available(dtype):
+            raise ValueError(f"linear_backend bf16-fp32 needs bf16 weights and kiln's CPU "
+                             f"kernels; dtype is {dtype}")
+        return "dense-bf16-fp32"
     if onednn_available(dtype):
         return "dense-onednn"
     if linear_backend == "onednn":
         raise ValueError(f"linear_backend onednn needs bf16 weights and oneDNN; dtype is {dtype}")
+    if cpu_bf16_available(dtype):
+        return "dense-bf16-fp32"
     return "dense"
 
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.models.layers.linear import Linear, get_linear_method
-from kiln.models.layers.onednn import onednn_available
+from kiln.models.loader import dense_method
 
 HEAD_WEIGHTS = "head.safetensors"
 FINAL = -1  # feature layer id of the target's final (normed) hidden state
@@ -199,10 +199,11 @@ def load_head(path: str | Path, dtype: torch.dtype) -> EagleHead:
 
 def packed_linear(weight: torch.Tensor, int8: bool = False) -> nn.Module:
     """A kiln Linear holding `weight` [out, in] in the dense format the target's own layers
-    use (oneDNN-prepacked bf16 where available: torch's generic bf16 matrix-vector product
-    is several times slower at one token). With `int8`, and where kiln's int8 GEMV kernel
+    use (`kiln.models.loader.dense_method`: oneDNN-prepacked bf16 where available, kiln's
+    bf16-weight kernel on CPUs without bf16 instructions; torch's generic bf16 matrix-vector
+    product is several times slower). With `int8`, and where kiln's int8 GEMV kernel
     builds, decode-sized inputs take int8 weight-only rows instead (`SmallBatchInt8`)."""
-    dense = _linear(weight, "dense-onednn" if onednn_available(weight.dtype) else "dense")
+    dense = _linear(weight, dense_method(weight.dtype))
     if int8 and int8_gemv_available():
         return SmallBatchInt8(dense, _linear(weight, "int8"))
     return dense

@@ -62,6 +62,7 @@ def available_linear_methods() -> list[str]:
 
 
 def _import_plugins() -> None:
+    import kiln.models.layers.cpu_bf16  # noqa: F401
     import kiln.models.layers.onednn  # noqa: F401
     try:  # quantized formats register themselves on import
         import kiln.quant  # noqa: F401

@@ -1,12 +1,13 @@
-// kiln CPU kernels: fused elementwise ops, paged attention for short queries and an int8
-// weight-only matmul for decode-sized token counts.
+// kiln CPU kernels: fused elementwise ops, paged attention for short queries, an int8
+// weight-only matmul for decode-sized token counts and a bf16-weight matmul for CPUs without
+// bf16 arithmetic.
 //
 // Each op has a plain torch reference in kiln/models/layers/ops.py, kiln/runner/attention.py or
 // kiln/quant/linear.py that the tests compare it with. Math is done in fp32 and rounded once to the tensor dtype.
 // Built on first use with torch.utils.cpp_extension (see kiln/runner/cpu_ops/__init__.py).
 
 #include <ATen/Parallel.h>
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <torch/library.h>
@@ -825,6 +826,16 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
 // Each output is summed by one thread in a fixed order: results do not depend on threads.
 constexpr int64_t kInt8TokenTile = 8;
 
+#if defined(__AVX2__)
+// The sum of 8 fp32 lanes (the AVX2 paths of the int8 and bf16 kernels).
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 inline __m512 int8_to_ps(__m128i codes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)); }
 
@@ -857,6 +868,31 @@ void int8_dot_rows(const float* xf, const int8_t* w, int64_t K, float* out) {
   if (k < K) step(k, static_cast<__mmask16>((1u << (K - k)) - 1));
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) out[r * M + m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same on AVX2: 8 lanes, R * M + R + 1 of 16 registers; K % 8 tail in scalar.
+template <int M, int R>
+void int8_dot_rows(const float* xf, const int8_t* w, int64_t K, float* out) {
+  __m256 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r)
+      wv[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + r * K + k))));
+    for (int m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_loadu_ps(xf + m * K + k);
+      for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float s = hsum8(acc[r][m]);
+      for (int64_t t = k; t < K; ++t) s += xf[m * K + t] * static_cast<float>(w[r * K + t]);
+      out[r * M + m] = s;
+    }
 }
 #else
 template <int M, int R>
@@ -930,15 +966,131 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return y;
 }
 
+// -- bf16 weights on CPUs without bf16 arithmetic ---------------------------------------------
+//
+// y[m, n] = sum_k x[m, k] w[n, k]; w bf16 [N, K] row-major, x [M, K] float, y in x's dtype.
+// Where oneDNN cannot prepack bf16 (AVX2 CPUs with no AVX-512 BW or AVX-NE-CONVERT), torch's
+// bf16 matmul runs at ~16 GFLOP/s at every token count, so a 4-token verify step costs four
+// decode steps. Here a bf16 weight widens to fp32 exactly (a 16-bit shift) inside the FMA loop:
+// each weight row is read once for up to 8 tokens, as the int8 kernel does. Every output is the
+// same 8-lane fp32 sum in the same k order for any M, R or thread count, so a token's result
+// does not depend on the batch it runs in.
+constexpr int64_t kBf16TokenTile = 8;
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 bf16x8_to_ps(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// out[r * M + m] = x[m] . w[r] for R consecutive weight rows (R * M + R + 1 of 16 registers).
+template <int M, int R>
+void bf16_dot_rows(const float* xf, const at::BFloat16* w, int64_t K, float* out) {
+  __m256 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  auto step = [&](int64_t k) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = bf16x8_to_ps(w + r * K + k);
+    for (int m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_loadu_ps(xf + m * K + k);
+      for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {  // one 64-byte line of each row; fetch the next block's
+    for (int r = 0; r < R; ++r)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
+    step(k), step(k + 8), step(k + 16), step(k + 24);
+  }
+  for (; k + 8 <= K; k += 8) step(k);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float s = hsum8(acc[r][m]);
+      for (int64_t t = k; t < K; ++t) s += xf[m * K + t] * f32(w[r * K + t]);
+      out[r * M + m] = s;
+    }
+}
+constexpr bool kBf16GemmVectorized = true;
+#else
+template <int M, int R>
+void bf16_dot_rows(const float* xf, const at::BFloat16* w, int64_t K, float* out) {
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += xf[m * K + k] * f32(w[r * K + k]);
+      out[r * M + m] = acc;
+    }
+}
+constexpr bool kBf16GemmVectorized = false;
+#endif
+
+template <typename T, int M, int R>
+void bf16_mm_tile(const float* xf, const at::BFloat16* w, T* y, int64_t N, int64_t K) {
+  const int64_t blocks = (N + R - 1) / R;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (R * K * 2));  // ~32 KiB
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    float acc[R * M];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * R, rows = std::min<int64_t>(R, N - n0);
+      if (rows == R) {
+        bf16_dot_rows<M, R>(xf, w + n0 * K, K, acc);
+      } else {
+        for (int64_t r = 0; r < rows; ++r) bf16_dot_rows<M, 1>(xf, w + (n0 + r) * K, K, acc + r * M);
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int m = 0; m < M; ++m) y[m * N + n0 + r] = static_cast<T>(acc[r * M + m]);
+    }
+  });
+}
+
+template <typename T>
+void bf16_mm_tokens(int64_t M, const float* xf, const at::BFloat16* w, T* y, int64_t N,
+                    int64_t K) {
+  switch (M) {
+    case 1: return bf16_mm_tile<T, 1, 6>(xf, w, y, N, K);
+    case 2: return bf16_mm_tile<T, 2, 4>(xf, w, y, N, K);
+    case 3: return bf16_mm_tile<T, 3, 3>(xf, w, y, N, K);
+    case 4: return bf16_mm_tile<T, 4, 2>(xf, w, y, N, K);
+    case 5: return bf16_mm_tile<T, 5, 2>(xf, w, y, N, K);
+    case 6: return bf16_mm_tile<T, 6, 2>(xf, w, y, N, K);
+    case 7: return bf16_mm_tile<T, 7, 1>(xf, w, y, N, K);
+    default: return bf16_mm_tile<T, 8, 1>(xf, w, y, N, K);
+  }
+}
+
+// Any M works (tiles of 8 tokens, each re-reading the weights); callers use it for few tokens.
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "bf16_gemm: x [M, K] and w [N, K] expected");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "bf16_gemm: w must be bfloat16");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto y = at::empty({M, N}, xc.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "bf16_gemm", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    std::vector<float> xf(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = f32(xp[i]);
+    for (int64_t m0 = 0; m0 < M; m0 += kBf16TokenTile)
+      bf16_mm_tokens<scalar_t>(std::min(kBf16TokenTile, M - m0), xf.data() + m0 * K,
+                               wc.data_ptr<at::BFloat16>(), y.data_ptr<scalar_t>() + m0 * N,
+                               N, K);
+  });
+  return y;
+}
+
+bool bf16_gemm_vectorized() { return kBf16GemmVectorized; }
+
 // -- The whole decoder stack of a Llama-family model in one call ------------------------------
 //
 // The same ops, in the same order and with the same roundings, as LlamaDecoderLayer.forward on
 // kiln's fast path (fused norms, oneDNN-prepacked bf16 linears, in-place rotary, the cpu
 // attention backend), for every layer, without returning to Python in between: at batch 1 the
 // ~20 Python-level calls per layer cost more than the layer's norms, rotary and attention
-// together. Linears are oneDNN bf16 or kiln's int8 GEMV (decode-sized steps). Used only where
-// the model has no hooks, biases or q/k norms (LlamaForCausalLM decides); its result is
-// bit-identical to the per-layer path, which the tests check.
+// together. Linears are oneDNN bf16, or kiln's int8 GEMV or bf16_gemm (both on decode-sized
+// steps). Used only where the model has no hooks, biases or q/k norms (LlamaForCausalLM
+// decides); its result is bit-identical to the per-layer path, which the tests check.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
   static auto op = c10::Dispatcher::singleton()
       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -949,10 +1101,12 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
 }
 
 // Layer l of one projection: int8 weights with per-row scales through int8_gemv where the
-// layer has a scale, else a oneDNN-prepacked bf16 weight.
+// layer has a scale, else bf16 weights: plain ones through bf16_gemm (fp32 arithmetic, CPUs
+// without bf16 instructions) where plain_bf16, oneDNN-prepacked ones otherwise.
 at::Tensor stack_linear(const at::Tensor& x, at::TensorList weights, at::TensorList scales,
-                        int64_t l) {
+                        int64_t l, bool plain_bf16) {
   if (!scales.empty() && scales[l].numel() > 0) return int8_gemv(x, weights[l], scales[l]);
+  if (plain_bf16) return bf16_gemm(x, weights[l]);
   return onednn_linear(x, weights[l]);
 }
 
@@ -974,7 +1128,7 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
                        const std::optional<at::Tensor>& long_lens,
                        const std::optional<at::Tensor>& long_context, int64_t block_size,
                        double scale, double eps, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim) {
+                       int64_t head_dim, bool plain_bf16) {
   const int64_t layers = static_cast<int64_t>(qkv_proj.size());
   const int64_t tokens = x_in.size(0), q_size = num_heads * head_dim;
   const int64_t kv_size = num_kv_heads * head_dim;
@@ -987,7 +1141,7 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
     } else {
       h = add_rms_norm(x, residual, input_norm[l], eps);
     }
-    at::Tensor qkv = stack_linear(h, qkv_proj, qkv_scale, l);
+    at::Tensor qkv = stack_linear(h, qkv_proj, qkv_scale, l, plain_bf16);
     rotary_inplace(qkv, positions, cos32, sin32, num_heads, num_kv_heads, head_dim);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -1002,9 +1156,10 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
     if (long_table.has_value())
       prefill_attention(attn, q, k_cache, v_cache, *long_table, *long_start, *long_lens,
                         *long_context, block_size, scale);
-    h = add_rms_norm(stack_linear(attn, o_proj, o_scale, l), residual, post_norm[l], eps);
-    x = stack_linear(silu_mul(stack_linear(h, gate_up_proj, gate_up_scale, l)), down_proj,
-                     down_scale, l);
+    h = add_rms_norm(stack_linear(attn, o_proj, o_scale, l, plain_bf16), residual,
+                     post_norm[l], eps);
+    x = stack_linear(silu_mul(stack_linear(h, gate_up_proj, gate_up_scale, l, plain_bf16)),
+                     down_proj, down_scale, l, plain_bf16);
   }
   return add_rms_norm(x, residual, final_norm, eps);
 }
@@ -1028,6 +1183,8 @@ TORCH_LIBRARY(kiln, m) {
         "int block_size, float scale) -> ()", &prefill_attention);
   m.def("has_bf16_attention() -> bool", &has_bf16_attention);
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor", &int8_gemv);
+  m.def("bf16_gemm(Tensor x, Tensor w) -> Tensor", &bf16_gemm);
+  m.def("bf16_gemm_vectorized() -> bool", &bf16_gemm_vectorized);
   m.def("llama_stack(Tensor x, Tensor positions, Tensor[] input_norm, Tensor[] qkv_proj, "
         "Tensor[] o_proj, Tensor[] post_norm, Tensor[] gate_up_proj, Tensor[] down_proj, "
         "Tensor[] qkv_scale, Tensor[] o_scale, Tensor[] gate_up_scale, Tensor[] down_scale, "
@@ -1035,5 +1192,5 @@ TORCH_LIBRARY(kiln, m) {
         "Tensor slot_mapping, Tensor? short_table, Tensor? short_start, Tensor? short_lens, "
         "Tensor? short_context, Tensor? long_table, Tensor? long_start, Tensor? long_lens, "
         "Tensor? long_context, int block_size, float scale, float eps, int num_heads, "
-        "int num_kv_heads, int head_dim) -> Tensor", &llama_stack);
+        "int num_kv_heads, int head_dim, bool plain_bf16) -> Tensor", &llama_stack);
 }
