@@ -3,8 +3,8 @@
 Times y = x @ W^T for the default model's 576 -> 1536 and 1536 -> 576 layer shapes with bf16
 activations, cycling over `--copies` distinct weights per shape so that, as in a decode step
 (~106 MB of int8 weights), they come from memory rather than cache (`--copies 1`: cache-hot): `torch.ops.kiln.int8_gemv` (int8 weights, fp32 scales), `torch._weight_int8pack_mm`
-(int8 weights, bf16 scales; what kiln used before) and oneDNN's prepacked bf16 linear (the
-dense path). Prints one JSON line per (shape, tokens, threads) with the median microseconds.
+(int8 weights, bf16 scales; what kiln used before) and the dense bf16 path: oneDNN's
+prepacked linear, or on CPUs where oneDNN cannot prepack bf16, kiln's `bf16_gemm`. Prints one JSON line per (shape, tokens, threads) with the median microseconds.
 
     python benchmarks/int8_gemv.py [--tokens 1,4,8] [--threads 1,2] [--iters 2000]
         [--copies 64]
@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from kiln.models.layers.onednn import onednn_available
 from kiln.runner import cpu_ops
 
 SHAPES = [(576, 1536), (1536, 576)]  # (in_features K, out_features N)
@@ -58,14 +59,19 @@ def candidates(k: int, n: int, m: int, copies: int) -> dict:
     def onednn_weight():
         return torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).bfloat16(), 1)
 
-    return {
+    out = {
         "kiln_int8_gemv": cycling(int8_weight, copies,
                                   lambda w: torch.ops.kiln.int8_gemv(x, w, scale)),
         "torch_int8pack_mm": cycling(int8_weight, copies,
                                      lambda w: torch._weight_int8pack_mm(x, w, scale_bf16)),
-        "onednn_bf16": cycling(onednn_weight, copies, lambda w: torch.ops.mkldnn._linear_pointwise(
-            x, w, None, "none", [], "")),
     }
+    if onednn_available(torch.bfloat16):
+        out["onednn_bf16"] = cycling(onednn_weight, copies, lambda w: (
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")))
+    else:
+        out["kiln_bf16_gemm"] = cycling(lambda: torch.randn(n, k).bfloat16(), copies,
+                                        lambda w: torch.ops.kiln.bf16_gemm(x, w))
+    return out
 
 
 def main() -> None:
