@@ -159,3 +159,15 @@ def test_cli_rejects_self_distill_of_prompts(llama_path, tmp_path, capsys):
     assert main(["train-speculator", "--model", llama_path, "--prompts", str(prompts),
                  "--self-distill", "--kind", "head", "--out", str(tmp_path / "o")]) != 0
     assert "--self-distill" in capsys.readouterr().err
+
+
+def test_autocast_follows_the_cpu_unless_set():
+    """bf16 autocast by default only where the CPU has bf16 arithmetic (emulated bf16 matmuls
+    run several times slower than fp32 ones); an explicit setting wins."""
+    from kiln.models.layers.onednn import onednn_available
+    from kiln.spec.train import TrainConfig, bf16_autocast
+
+    for setting, expected in ((None, onednn_available(torch.bfloat16)), (True, True),
+                              (False, False)):
+        with bf16_autocast(TrainConfig(autocast=setting)):
+            assert torch.is_autocast_enabled("cpu") == expected

@@ -17,7 +17,7 @@ data); when the head reads the target's final hidden state, the labels are the t
 whole distribution there (soft labels over the draft vocabulary, recomputed from the
 recorded feature) plus a little of EAGLE-1's feature regression: dense signals that matter
 when the training data is a few tens of thousands of tokens. Forward passes run in bf16
-autocast, and a share of the sequences is held out to report agreement on text the head
+autocast where the CPU has bf16 arithmetic (fp32 elsewhere), and a share of the sequences is held out to report agreement on text the head
 did not train on.
 
 Draft model (`distill_draft`): a Llama with the target's embedding, first n layers and final
@@ -27,6 +27,7 @@ saved as a plain HF checkpoint with the target's tokenizer: any engine can load 
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 from collections.abc import Callable
@@ -58,7 +59,10 @@ class TrainConfig:
     soft_labels: bool = False  # head: match the target's distribution, not just its argmax
     consistent_only: bool = True  # head: learn only where inputs follow the target's choices
     eval_fraction: float = 0.1  # sequences held out for evaluation
-    autocast: bool = True  # bf16 autocast for forward passes (fp32 master weights)
+    # bf16 autocast for forward passes (fp32 master weights); None: where the CPU has bf16
+    # arithmetic (oneDNN prepacks bf16), else fp32 — emulated bf16 matmuls run several times
+    # slower than fp32 ones (BENCHMARKS.md, CPUs without bf16 instructions)
+    autocast: bool | None = None
     seed: int = 0
 
 
@@ -70,6 +74,20 @@ class History:
 
 
 ProgressFn = Callable[[int, History], None]  # (optimizer step, history so far)
+
+
+def bf16_autocast(cfg: TrainConfig) -> torch.autocast:
+    """The forward passes' autocast context: bf16 as `cfg.autocast` says (None: where the
+    CPU has bf16 arithmetic)."""
+    enabled = _native_bf16() if cfg.autocast is None else cfg.autocast
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
+@functools.cache
+def _native_bf16() -> bool:
+    from kiln.models.layers.onednn import onednn_available
+
+    return onednn_available(torch.bfloat16)
 
 
 def choose_draft_vocab(labels: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
@@ -158,7 +176,7 @@ class HeadTrainer:
              ) -> tuple[torch.Tensor, list[float]]:
         """Loss and per-step agreement with the target on the sequences `idx`, unrolled
         over `steps` draft steps (default: ttt_steps)."""
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.autocast):
+        with bf16_autocast(self.cfg):
             return self._unrolled_loss(idx, steps or self.cfg.ttt_steps)
 
     def _unrolled_loss(self, idx: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[float]]:
@@ -328,7 +346,7 @@ def distill_draft(target_path: Path, record: TargetRecord, cfg: TrainConfig,
 
 def _draft_loss(model, record: TargetRecord, idx: torch.Tensor,
                 cfg: TrainConfig) -> tuple[torch.Tensor, float]:
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast):
+    with bf16_autocast(cfg):
         logits = model(input_ids=record.tokens[idx]).logits.float()  # [b, S, V]
     loss = F.cross_entropy(logits.flatten(0, 1), record.labels[idx].reshape(-1))
     return loss, float((logits.argmax(-1) == record.labels[idx]).float().mean())
