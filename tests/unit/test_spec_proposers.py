@@ -180,7 +180,31 @@ def test_adaptive_request_records_start_from_the_global_estimate_and_fade_back()
 def test_adaptive_off_always_asks_for_k_and_caps_batch():
     assert AdaptiveK(max_k=3, enabled=False).choose(64) == 3
     capped = AdaptiveK(max_k=3, max_batch_size=4)
+    assert capped.choose(5) == 0 and capped.choose(4) == 0  # the baseline is tried first
+    for _ in range(3):
+        capped.observe_cost(4, 0, 1.0)
     assert capped.choose(5) == 0 and capped.choose(4) == 3
+
+
+def test_adaptive_costs_are_relative_to_the_baseline_of_their_time():
+    """A drafting arm measured while the machine was quiet must not look cheap against a
+    baseline re-measured while it is busy: drafting steps are kept as ratios to the
+    baseline's cost when they ran."""
+    adaptive = AdaptiveK(max_k=1)
+    for _ in range(9):
+        adaptive.observe_cost(8, 0, 8 * 1.0)
+    for _ in range(3):  # quiet: a 1-draft step costs 1.6 plain ones
+        adaptive.observe_cost(8, 1, 8 * 1.6)
+    assert adaptive.cost(8, 1) == pytest.approx(1.6)
+    for _ in range(9):  # busy: every step takes twice as long, and only k = 0 is measured
+        adaptive.observe_cost(8, 0, 8 * 2.0)
+    assert adaptive.cost(8, 1) == pytest.approx(3.2)
+    for _ in range(20):  # drafts accepted 4 times in 10: 1.4 tokens for 1.6x the cost
+        adaptive.observe_acceptance(1, 1)
+        adaptive.observe_acceptance(1, 1)
+        for _ in range(3):
+            adaptive.observe_acceptance(1, 0)
+    assert adaptive._best(8, ()) == 0
 
 
 def test_speculator_names_resolve(tmp_path):

@@ -13,7 +13,11 @@ step we pick the k with the most expected tokens per second, from measurements:
   cost(b, k) = measured seconds per sequence of a step at batch size bucket b verifying k
                drafts, proposer time included (decode-only steps; the lower quartile of
                the last 9, so a stall caused by someone else's process cannot flip the
-               choice, nor make an arm that was probed only a few times look dear)
+               choice, nor make an arm that was probed only a few times look dear). A
+               drafting arm keeps its steps relative to cost(b, 0) at the time they ran,
+               so cost(b, k) = (its lower-quartile ratio) * cost(b, 0): on a shared machine
+               absolute step times drift 2x within minutes, and an arm probed in a quiet
+               moment must not look cheap against a baseline measured in a busy one
   k* = argmax_k tokens(k) / cost(b, k), over k = 0 and the k that beat k = 0 by 10%
 
 Acceptance is judged per request: each keeps its own counts (fading by 0.95 per
@@ -25,8 +29,8 @@ them off in a few (the unit tests' synthetic batch of 8: 6 steps rather than 36)
 left without drafts has its own counts fade the same way, back toward the global estimate, so
 a few unlucky misses do not switch it off for good.
 
-Arms never measured in a bucket are tried first (a few steps each); afterwards a probe step
-re-measures a neighbour of the best arm or k = 0 (in turn), so costs and acceptance keep up
+Arms never measured in a bucket are tried first (a few steps each, k = 0 before the drafting
+arms, which are measured against it); afterwards a probe step re-measures a neighbour of the best arm or k = 0 (in turn), so costs and acceptance keep up
 with load and traffic (k = 0 never measures acceptance, so a switched-off speculator is
 retried this way; and k = 0's cost, the baseline, never goes stale while drafting wins). Probes
 start one step in `explore_every`; each probe that finds the same best arm as the one before
@@ -58,6 +62,7 @@ def batch_bucket(batch_size: int) -> int:
 @dataclass
 class _Arm:
     recent: deque = field(default_factory=lambda: deque(maxlen=9))  # seconds per sequence
+    # (k = 0), or per sequence relative to the baseline's cost when it ran (k >= 1)
     samples: int = 0
 
     @property
@@ -124,8 +129,16 @@ class AdaptiveK:
         return total
 
     def cost(self, batch_size: int, k: int) -> float | None:
-        arm = self._arm(batch_bucket(batch_size), k)
-        return arm.seconds if arm.samples else None
+        bucket = batch_bucket(batch_size)
+        if not self._arm(bucket, k).samples:
+            return None
+        return self._seconds(bucket, k)
+
+    def _seconds(self, bucket: int, k: int) -> float:
+        """Seconds per sequence of a step verifying k drafts (k >= 1: its ratio to the
+        baseline times the baseline's current cost)."""
+        base = self._arm(bucket, 0).seconds
+        return base if k == 0 else self._arm(bucket, k).seconds * base
 
     def _arm(self, bucket: int, k: int) -> _Arm:
         if k == 0:
@@ -150,7 +163,8 @@ class AdaptiveK:
             return 0
         bucket = batch_bucket(batch_size)
         n = self._steps[bucket] = self._steps.get(bucket, 0) + 1
-        untried = [k for k in range(self.max_k, -1, -1)
+        # the baseline first: drafting arms are measured relative to it
+        untried = [k for k in (0, *range(self.max_k, 0, -1))
                    if self._arm(bucket, k).samples < self.min_samples]
         if untried:
             return untried[0]
@@ -174,7 +188,7 @@ class AdaptiveK:
         by `margin`: estimates are noisy, and a wrong "drafting pays" costs far more than a
         missed marginal gain (at large batches a step verifying drafts is dear, and sequences
         that race ahead leave the others decoding in smaller batches)."""
-        rate = [self.expected_tokens(k, request_ids) / self._arm(bucket, k).seconds
+        rate = [self.expected_tokens(k, request_ids) / self._seconds(bucket, k)
                 for k in range(self.max_k + 1)]
         paying = [k for k in range(1, self.max_k + 1) if rate[k] > rate[0] * (1 + self.margin)]
         return max(paying, key=lambda k: rate[k], default=0)
@@ -184,8 +198,14 @@ class AdaptiveK:
     def observe_cost(self, batch_size: int, k: int, seconds: float) -> None:
         """One decode-only step of `batch_size` sequences verifying `k` drafts each. Kept per
         sequence, so batch sizes sharing a bucket compare."""
-        arm = self._arm(batch_bucket(batch_size), k)
-        arm.recent.append(seconds / batch_size)
+        bucket = batch_bucket(batch_size)
+        arm, base = self._arm(bucket, k), self._arm(bucket, 0)
+        if k == 0:
+            arm.recent.append(seconds / batch_size)
+        elif base.samples:
+            arm.recent.append(seconds / batch_size / base.seconds)
+        else:  # nothing to measure it against yet (the baseline is tried first)
+            return
         arm.samples += 1
 
     def observe_acceptance(self, num_asked: int, num_accepted: int,
