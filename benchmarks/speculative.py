@@ -45,8 +45,12 @@ from kiln.spec.data import code_corpus, prose_corpus, prose_source
 from kiln.spec.resolve import speculators_home
 
 CONFIGS = {"off": None, "ngram": "ngram", "draft": "code-draft", "code-head": "code-head",
-           "prose-head": "prose-head", "code-head+ng": "code-head", "prose-head+ng": "prose-head"}
-# "+ng": SpeculativeConfig(ngram_first=True), an n-gram match's drafts where the text has one
+           "prose-head": "prose-head", "code-head+ng": "code-head", "prose-head+ng": "prose-head",
+           "ngram-tree": "ngram", "code-head+ngt": "code-head", "prose-head+ngt": "prose-head"}
+# "+ng": SpeculativeConfig(ngram_first=True), an n-gram match's drafts where the text has one;
+# "-tree" and "+ngt": lookup drafts trees of --tree-width continuations (not in the default
+# set: `--configs off ngram ngram-tree`)
+DEFAULT_CONFIGS = [n for n in CONFIGS if not n.endswith(("tree", "+ngt"))]
 
 
 def code_prompts(tok, n: int, tokens: int) -> list[list[int]]:
@@ -167,7 +171,8 @@ def build(name: str, speculator: str | None, args) -> LLM | None:
     return LLM(max_model_len=1024, kv_cache_memory=96 << 20, max_num_seqs=8,
                num_threads=args.threads, speculator=speculator,
                speculative_config=SpeculativeConfig(
-                   ngram_first=name.endswith("+ng"),
+                   ngram_first=name.endswith(("+ng", "+ngt")),
+                   tree_width=args.tree_width if name.endswith(("tree", "+ngt")) else 1,
                    num_speculative_tokens=args.num_speculative_tokens)
                if speculator else None)
 
@@ -199,7 +204,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--num-speculative-tokens", type=int, default=3,
                         help="most drafts per sequence per step (k)")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--tree-width", type=int, default=3,
+                        help="continuations per draft tree in the -tree and +ngt configs")
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
     parser.add_argument("--out", default="speculative-results.json")
     args = parser.parse_args()
     llms = {n: llm for n in args.configs if (llm := build(n, CONFIGS[n], args)) is not None}

@@ -176,6 +176,10 @@ def _positive(config: object, *names: str) -> None:
 # -- speculative decoding (kiln.spec) ---------------------------------------------------------
 
 
+MAX_TREE_WIDTH = 8
+MAX_TREE_DRAFTS = 15  # drafts in one request's tree: with its root, the short-query kernel's 16
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding: a proposer guesses the next tokens, the target verifies them in one
@@ -192,6 +196,10 @@ class SpeculativeConfig:
     draft_kv_cache_memory: int | None = None  # draft: bytes for its KV cache; None = derived
     ngram_first: bool = False  # draft/head: an n-gram match's drafts when there is one
     speculator_int8: bool = True  # head/draft: int8 weight-only linears, decode-sized inputs
+    # draft trees: up to this many alternative continuations per request and step, verified
+    # in one forward (n-gram: several earlier occurrences' continuations, merged by common
+    # prefix); 1 = one chain of drafts
+    tree_width: int = 1
 
     def __post_init__(self):
         if not self.method:
@@ -204,6 +212,9 @@ class SpeculativeConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
                              f"{self.ngram_max}")
+        if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
+            raise ValueError(f"tree_width must be in [1, {MAX_TREE_WIDTH}], got "
+                             f"{self.tree_width}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
 

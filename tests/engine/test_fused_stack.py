@@ -120,3 +120,26 @@ def test_int8_weights_fuse_on_decode_steps_only(tiny_ckpt, monkeypatch):
     assert layer_calls == [] and fused_calls
     assert max(fused_calls) <= llama.stack_weights(fused_llm.engine.runner.model)["max_tokens"]
     assert fused == layered
+
+
+def test_draft_trees_fuse_with_the_same_bits(tiny_ckpt, monkeypatch):
+    """n-gram draft trees (their attention bits go into the stack's paged attention) give the
+    fused and the per-layer path the same tokens and logprobs."""
+    import kiln.runner.batch as batch
+    from kiln.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(adaptive=False, tree_width=3)
+    fused_llm = tiny_llm(tiny_ckpt, speculator="ngram", speculative_config=spec)
+    if not llama.stack_weights(fused_llm.engine.runner.model):
+        pytest.skip("this machine's model is not on the fast path")
+    layered_llm = tiny_llm(tiny_ckpt, speculator="ngram", speculative_config=spec)
+    layered_llm.engine.runner.model._stack = {}
+    trees = []
+    real = batch._place_tree
+    monkeypatch.setattr(batch, "_place_tree", lambda item, *a: trees.append(
+        item.num_draft_tokens) or real(item, *a))
+    fused_calls, layer_calls = [], []
+    fused = run(fused_llm, monkeypatch, fused_calls)
+    layered = run(layered_llm, monkeypatch, layer_calls)
+    assert layer_calls == [] and fused_calls and trees
+    assert fused == layered

@@ -170,7 +170,8 @@ def test_ngram_first_lookup_and_model_each_draft_their_own_k(k_model, k_lookup, 
     spec.proposer.propose = lambda sched, wanted: asked.extend(
         w.max_drafts for w in wanted) or inner_propose(sched, wanted)
     spec._store = lambda w, draft, source: stored[
-        "lookup" if source is spec.lookup else "model"].append(len(draft.token_ids)) or (
+        "lookup" if source is spec.lookup else "model"].append(
+        len(draft.limit(w.max_drafts, 15).token_ids)) or (
         inner_store(w, draft, source))
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
     assert asked and max(asked) == k_model
@@ -403,7 +404,7 @@ class SampledDraftProposer:
         pass
 
 
-CHI2_999 = {3: 16.27, 8: 26.12, 15: 37.70, 24: 51.18}
+CHI2_999 = {3: 16.27, 8: 26.12, 15: 37.70, 24: 51.18, 26: 54.05}
 
 
 def exact_pairs(llm, prompt: list[int], top_k: int, temperature: float) -> dict:
@@ -448,3 +449,165 @@ def test_unknown_proposer_is_named(llama_path):
     with pytest.raises(ValueError, match="unknown speculative method 'nope'; known: .*ngram"):
         LLM(llama_path, dtype="float32", num_threads=1,
             speculative_config=SpeculativeConfig(method="nope"))
+
+
+# -- draft trees ----------------------------------------------------------------------------
+
+ORACLE: dict[tuple[int, ...], list[int]] = {}  # prompt -> the target's greedy continuation
+
+
+@register_proposer("test-tree")
+class OracleTreeProposer:
+    """Trees that hide the target's next tokens among wrong ones: at each level the right
+    child is first, second or missing, so paths through later branches get accepted (and
+    their KV moved into place) as often as the first branch or none."""
+
+    def __init__(self, config, ctx):
+        self.vocab = ctx.target.vocab_size
+        self.gen = torch.Generator().manual_seed(3)
+
+    def _rand(self, n: int) -> int:
+        return int(torch.randint(n, (1,), generator=self.gen))
+
+    def propose(self, sched, wanted):
+        out = []
+        for w in wanted:
+            r = w.request
+            truth = ORACLE[tuple(r.prompt_token_ids)][len(r.output_token_ids):]
+            tokens, parents, node = [], [], -1
+            for depth in range(min(w.max_drafts, len(truth))):
+                wrong = (truth[depth] + 1 + self._rand(self.vocab - 1)) % self.vocab
+                order = [[wrong, truth[depth]], [truth[depth], wrong], [wrong]][self._rand(3)]
+                right = None
+                for token in order:
+                    tokens.append(token)
+                    parents.append(node)
+                    if token == truth[depth]:
+                        right = len(tokens) - 1
+                    elif depth + 1 < w.max_drafts:  # a wrong branch grows a child too
+                        tokens.append(self._rand(self.vocab))
+                        parents.append(len(tokens) - 2)
+                if right is None:
+                    break
+                node = right
+            out.append(Draft(tokens, None, parents) if tokens else Draft())
+        return out
+
+    def release(self, request_ids):
+        pass
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])  # C++ attention, reference attention
+def test_greedy_is_token_identical_with_draft_trees(kernels, reference, llama_path):
+    _, ps, params, expected = reference
+    for p, e in zip(ps, expected, strict=True):
+        ORACLE[tuple(p["prompt_token_ids"])] = e
+    llm = LLM(llama_path, dtype="float32", num_threads=1, max_num_batched_tokens=48,
+              kernels=kernels,
+              speculative_config=SpeculativeConfig(method="test-tree", adaptive=False))
+    first = llm.generate(ps, params, use_tqdm=False)
+    again = llm.generate(ps, params, use_tqdm=False)  # prefix-cache hits on moved KV
+    assert ids(first) == expected and ids(again) == expected
+    stats = llm.engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    # more than one draft per position: trees, and paths that left the first branch
+    assert stats.num_draft_tokens > 3 * stats.num_verify_steps // 2
+    assert llm.engine.kv.stats().used_blocks == 0 and llm.engine.kv.stats().hit_tokens > 0
+
+
+def test_ngram_trees_are_lossless_and_draft_several_continuations(reference, llama_path):
+    _, ps, params, expected = reference
+    llm = LLM(llama_path, dtype="float32", num_threads=1, max_num_batched_tokens=48,
+              speculator="ngram",
+              speculative_config=SpeculativeConfig(adaptive=False, tree_width=3))
+    outs = llm.generate(ps, params, use_tqdm=False)
+    assert ids(outs) == expected
+    metrics = [o.metrics for o in outs if o.metrics]
+    drafted = sum(m["num_draft_tokens"] for m in metrics)
+    positions = sum(sum(m["drafted_per_position"]) for m in metrics)
+    assert drafted > positions  # some steps verified more drafts than positions
+
+
+LIKELY: dict[tuple[int, ...], list[int]] = {}  # context -> the target's top tokens after it
+
+
+@register_proposer("test-tree-sampled")
+class LikelyTreeProposer:
+    """Trees of one-hot drafts over the target's likely tokens: two of its top three (in
+    random order) and a wrong one at the root, two likely ones under each of those."""
+
+    def __init__(self, config, ctx):
+        self.gen = torch.Generator().manual_seed(5)
+
+    def _pick(self, options: list[int], n: int) -> list[int]:
+        order = torch.randperm(len(options), generator=self.gen)[:n].tolist()
+        return [options[i] for i in order]
+
+    def propose(self, sched, wanted):
+        out = []
+        for w in wanted:
+            context = tuple(w.request.all_token_ids)
+            if context not in LIKELY or w.max_drafts < 2:
+                out.append(Draft())
+                continue
+            tokens, parents = [], []
+            for first in self._pick(LIKELY[context], 2) + [max(LIKELY[context]) + 1]:
+                tokens.append(first)
+                parents.append(-1)
+                node = len(tokens) - 1
+                for second in self._pick(LIKELY.get(context + (first,), []), 2):
+                    tokens.append(second)
+                    parents.append(node)
+            out.append(Draft(tokens, None, parents))
+        return out
+
+    def release(self, request_ids):
+        pass
+
+
+def test_sampled_outputs_keep_the_target_distribution_with_trees(reference, llama_path):
+    """Tokens 2 and 3 come out of trees (token 1 is the prefill's): the triples' frequencies
+    against the target's own distribution."""
+    llm, ps, _, _ = reference
+    prompt = ps[3]["prompt_token_ids"]
+    top_k, temperature, n = 3, 1.5, 1500
+    pairs = exact_pairs(llm, prompt, top_k, temperature)
+    exact = {}
+    for a in sorted({a for a, _ in pairs}):
+        after = exact_pairs(llm, prompt + [a], top_k, temperature)
+        p_a = sum(q for (x, _), q in pairs.items() if x == a)
+        exact.update({(a, b, c): p_a * q for (b, c), q in after.items()})
+        LIKELY[tuple(prompt) + (a,)] = sorted({b for b, _ in after})
+        for b in LIKELY[tuple(prompt) + (a,)]:
+            LIKELY[tuple(prompt) + (a, b)] = sorted({c for x, c in after if x == b})
+    spec = LLM(llama_path, dtype="float32", num_threads=1, max_num_seqs=256,
+               speculative_config=SpeculativeConfig(method="test-tree-sampled", adaptive=False))
+    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=4, seed=i,
+                             ignore_eos=True) for i in range(n)]
+    outs = spec.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    counts = {triple: 0 for triple in exact}
+    for o in outs:
+        counts[tuple(o.outputs[0].token_ids[:3])] += 1
+    stat = sum((counts[t] - n * q) ** 2 / (n * q) for t, q in exact.items())
+    assert stat < CHI2_999[len(exact) - 1], (counts, exact)
+    stats = spec.engine.speculator.stats
+    assert stats.num_accepted_tokens > n  # mostly accepted: the trees hold likely tokens
+    assert stats.num_draft_tokens > 3 * stats.num_verify_steps
+
+
+@pytest.mark.parametrize("ngram_first", [False, True])
+def test_head_trees_are_lossless(ngram_first, reference, llama_path, head_path, monkeypatch):
+    """The head's top-2 first drafts, each continued as a chain (and lookup trees beside it
+    with ngram_first): greedy output unchanged, both branches verified."""
+    import kiln.runner.batch as batch
+
+    _, ps, params, expected = reference
+    trees = []
+    real = batch._place_tree
+    monkeypatch.setattr(batch, "_place_tree", lambda item, *a: trees.append(
+        item.draft_parents) or real(item, *a))
+    llm = LLM(llama_path, dtype="float32", num_threads=1, max_num_batched_tokens=48,
+              speculator=head_path, speculative_config=SpeculativeConfig(
+                  adaptive=False, tree_width=2, ngram_first=ngram_first))
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    assert [-1, 0, 1, -1, 3, 4] in trees  # two branches of three

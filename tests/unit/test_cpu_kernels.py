@@ -175,3 +175,48 @@ def test_bf16_prefill_kernel_matches_fp32_attention(hq, hkv, d, query_lens, cont
     err = (out.float() - exact).abs().max().item()
     assert err < 2e-2
     assert err <= 2 * (sdpa.float() - exact).abs().max().item() + 1e-3
+
+
+def tree_attention_reference(q, cache, layout, bs, scale):
+    """Each token attends its context and, in its own query block, the tokens its tree bits
+    name (causal where it has none): written out one token at a time."""
+    k_cache, v_cache = (c.float() for c in cache)
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2])
+    group = q.shape[1] // k_cache.shape[1]
+    for s in range(len(layout.query_lens)):
+        start, n, ctx = (int(layout.query_start[s]), int(layout.query_lens[s]),
+                         int(layout.context_lens[s]))
+        pos = torch.arange(ctx + n)
+        slots = layout.block_table[s][pos // bs] * bs + pos % bs
+        for i in range(n):
+            bits = int(layout.tree_mask[start + i])
+            seen = [j for j in range(ctx + n) if j < ctx or (
+                (bits >> (j - ctx)) & 1 if bits else j - ctx <= i)]
+            keys = k_cache[slots[seen]].repeat_interleave(group, 1)  # [K, Hq, D]
+            values = v_cache[slots[seen]].repeat_interleave(group, 1)
+            weights = torch.einsum("hd,khd->hk", q[start + i].float() * scale, keys).softmax(-1)
+            out[start + i] = torch.einsum("hk,khd->hd", weights, values).reshape(-1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq, hkv", [(6, 2), (9, 3)])
+def test_tree_masks_in_both_backends(dtype, hq, hkv):
+    """Draft trees: a root and 6 drafts (two branches of 3, one branch of a branch), beside a
+    plain decode and a plain 3-draft chain; both backends against the written-out rule."""
+    layout, positions, cache, q, k, v, bs = random_batch(dtype, [7, 1, 4], [21, 9, 40],
+                                                         hq=hq, hkv=hkv)
+    parents = [-1, 0, 1, -1, 3, 4]  # nodes 1..6 of the first sequence (0 is the root)
+    bits = [1]
+    for p in parents:
+        bits.append(bits[p + 1] | 1 << len(bits))
+    layout.tree_mask = torch.zeros(12, dtype=torch.int64)
+    layout.tree_mask[:7] = torch.tensor(bits)
+    scale = 64 ** -0.5
+    for backend in (TorchPagedAttention(), CpuPagedAttention()):
+        run_cache = tuple(c.clone() for c in cache)
+        out = backend.forward(q, k, v, run_cache, backend.build_metadata(layout, positions, bs),
+                              scale)
+        expected = tree_attention_reference(q, run_cache, layout, bs, scale)
+        torch.testing.assert_close(out.float(), expected, atol=TOL[dtype] * 5,
+                                   rtol=TOL[dtype] * 5)

@@ -9,7 +9,8 @@ import pytest
 
 from kiln.config import SpeculativeConfig
 from kiln.spec.adaptive import AdaptiveK, batch_bucket
-from kiln.spec.ngram import ngram_match, propose_ngram
+from kiln.spec.ngram import ngram_match, ngram_tree, propose_ngram
+from kiln.spec.proposer import Draft
 from kiln.spec.resolve import resolve_speculative_config
 
 
@@ -237,5 +238,36 @@ def test_serve_flags_carry_ngram_first_and_speculator_int8():
     assert engine_config(build_parser(argv).parse_args(argv), 1).speculative.ngram_first
     argv.append("--no-speculator-int8")
     assert not engine_config(build_parser(argv).parse_args(argv), 1).speculative.speculator_int8
+    assert engine_config(build_parser(argv).parse_args(argv), 1).speculative.tree_width == 1
+    argv += ["--speculative-tree-width", "3"]
+    assert engine_config(build_parser(argv).parse_args(argv), 1).speculative.tree_width == 3
+    with pytest.raises(ValueError, match=r"tree_width must be in \[1, 8\], got 9"):
+        SpeculativeConfig(tree_width=9)
     argv = ["serve"]
     assert engine_config(build_parser(argv).parse_args(argv), 1).speculative is None
+
+
+def test_ngram_tree_merges_continuations_of_several_occurrences():
+    tokens = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 4, 5, 1, 2, 3])
+    chain, n = ngram_match(tokens, 3, 1, 4)
+    tree, matched = ngram_tree(tokens, 3, 1, 4, width=1)
+    assert (tree.token_ids, tree.parents, matched) == (chain, None, n)  # width 1: the chain
+    tree, _ = ngram_tree(tokens, 3, 1, 4, width=4)
+    # the chain first ("1 2 3" last followed by 7 8 1), then the other occurrence's 9 1 2
+    assert tree == Draft([7, 8, 1, 9, 1, 2], None, [-1, 0, 1, -1, 3, 4])
+    assert tree.main_chain() == Draft(chain)
+    # "2" occurs three times before: 3 7 (the latest), then 4 5, then 3 9 (shares its 3)
+    tokens = np.array([2, 3, 9, 2, 4, 5, 2, 3, 7, 2])
+    assert ngram_tree(tokens, 2, 1, 4, width=3)[0] == Draft([3, 7, 4, 5, 9], None,
+                                                            [-1, 0, -1, 2, 0])
+    assert ngram_tree(tokens, 2, 1, 4, width=2)[0] == Draft([3, 7, 4, 5], None, [-1, 0, -1, 2])
+    assert ngram_tree(tokens, 2, 1, 4, width=3, size=4)[0] == Draft([3, 7, 4, 5], None,
+                                                                    [-1, 0, -1, 2])
+
+
+def test_draft_limits_keep_a_tree_closed_under_parents():
+    tree = Draft([7, 8, 1, 9, 1, 2], None, [-1, 0, 1, -1, 3, 4])
+    assert tree.limit(2, 15) == Draft([7, 8, 9, 1], None, [-1, 0, -1, 2])
+    assert tree.limit(3, 4) == Draft([7, 8, 1, 9], None, [-1, 0, 1, -1])
+    assert tree.limit(3, 3) == Draft([7, 8, 1])  # what is left is a chain
+    assert Draft([5, 6, 7]).limit(2, 15) == Draft([5, 6])

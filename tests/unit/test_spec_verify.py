@@ -7,7 +7,14 @@ import torch
 
 from kiln.runner.sampler import Sampler, SamplingRow
 from kiln.sampling_params import SamplingParams
-from kiln.spec.verify import VerifyGroup, accept_greedy, accept_sampled, verify
+from kiln.spec.verify import (
+    VerifyGroup,
+    accept_greedy,
+    accept_greedy_tree,
+    accept_sampled,
+    accept_sampled_tree,
+    verify,
+)
 
 V = 6
 
@@ -109,3 +116,57 @@ def test_a_draft_outside_top_k_is_always_rejected():
     for seed in range(20):
         out = verify(sampler, logits, rows_for(params, 2, seed=seed), [VerifyGroup(0, [5])])
         assert out.token_ids[0][0] in (0, 1) and len(out.token_ids[0]) == 1
+
+
+# a tree of 5 drafts: root -> 2 (node 0) -> 1 (node 1); root -> 1 (node 2) -> 3 (node 3),
+# 4 (node 4)
+TREE_TOKENS, TREE_PARENTS = [2, 1, 1, 3, 4], [-1, 0, -1, 2, 2]
+
+
+@pytest.mark.parametrize(("target", "emitted", "path"), [
+    ([2, 1, 0, 0, 0, 0], [2, 1, 0], [0, 1]),  # the first branch to its end, then the bonus
+    ([1, 0, 0, 4, 0, 0], [1, 4, 0], [2, 4]),  # the second branch, then node 2's second child
+    ([1, 0, 0, 5, 0, 5], [1, 5], [2]),  # node 2's row picks a token no child has
+    ([1, 0, 0, 3, 0, 0], [1, 3, 0], [2, 3]),  # node 2's row 3 = child node 3 (a leaf)
+    ([5, 2, 1, 1, 1, 1], [5], []),  # no child of the root
+])
+def test_greedy_tree_walk(target, emitted, path):
+    # rows: 0 = root, 1 + i = draft i
+    assert accept_greedy_tree(TREE_TOKENS, TREE_PARENTS, target) == (emitted, path)
+
+
+def test_verify_reports_tree_paths_and_logprobs_from_the_path_rows():
+    sampler = Sampler(V, frozenset())
+    logits = torch.full((6, V), -5.0)
+    for row, token in enumerate([1, 0, 0, 3, 0, 0]):  # root -> node 2 -> node 3 -> bonus
+        logits[row, token] = 5.0
+    logits[4, 2] = 4.0  # node 3's row: second choice 2
+    rows = rows_for(SamplingParams(temperature=0, logprobs=1), 6)
+    out = verify(sampler, logits, rows, [VerifyGroup(0, TREE_TOKENS, None, TREE_PARENTS)])
+    assert out.token_ids == [[1, 3, 0]] and out.paths == [[2, 3]]
+    assert [lp.top_ids[0] for lp in out.logprobs[0]] == [1, 3, 0]  # rows 0, 3, 4
+
+
+def test_tree_rejection_sampling_keeps_the_target_distribution():
+    """Sampling by elimination down a tree: the first token follows p[root] whichever of the
+    root's children (or none) it lands on, and the second follows the chosen child's row."""
+    gen = torch.Generator().manual_seed(1)
+    p = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.06, 0.04],  # root
+                      [0.05, 0.50, 0.05, 0.20, 0.10, 0.10],  # after node 0 (token 2)
+                      [0.30, 0.10, 0.10, 0.10, 0.20, 0.20],  # after node 1
+                      [0.10, 0.10, 0.20, 0.20, 0.20, 0.20],  # after node 2 (token 1)
+                      [1 / 6] * 6, [1 / 6] * 6])
+    n = 20000
+    uniforms = torch.rand(n, 5, generator=gen)
+    noise = torch.empty(n, V).exponential_(generator=gen)
+    first = torch.zeros(V)
+    second = {2: torch.zeros(V), 1: torch.zeros(V)}
+    for i in range(n):
+        out, path = accept_sampled_tree(TREE_TOKENS, TREE_PARENTS, p, uniforms[i], noise[i])
+        assert [TREE_TOKENS[c] for c in path] == out[:len(path)]
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[0]][out[1]] += 1
+    for counts, probs in ((first, p[0]), (second[2], p[1]), (second[1], p[3])):
+        stat, dof = chi_square(counts, probs)
+        assert stat < CHI2_999[dof], (counts, probs)

@@ -152,7 +152,7 @@ class RequestState:
             self.num_draft_tokens += out.num_draft_tokens
             self.num_accepted_tokens += out.num_accepted_tokens
             self.num_verify_steps += int(out.num_draft_tokens > 0)
-            count_positions(self.drafted_per_position, out.num_draft_tokens)
+            count_positions(self.drafted_per_position, out.draft_depth or out.num_draft_tokens)
             count_positions(self.accepted_per_position, out.num_accepted_tokens)
             if out.draft_source is not None:
                 counts = self.drafts_by_source.setdefault(out.draft_source, [0, 0])

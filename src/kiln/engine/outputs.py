@@ -33,6 +33,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_accepted_tokens: int = 0  # of which were accepted
     draft_source: str | None = None  # who drafted them: "ngram" (lookup), "draft", "head"
     num_redraws: int = 0  # tokens the repetition guard dropped and sampled again (retry mode)
+    draft_depth: int = 0  # a draft tree's depth (positions drafted); 0: a chain's, = num_draft
 
     @property
     def finished(self) -> bool:

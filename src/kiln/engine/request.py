@@ -58,6 +58,8 @@ class Request:
         # the proposer's distribution for each draft (opaque here; kiln.spec.verify reads it),
         # or None: drafts were chosen deterministically
         self.spec_draft_probs = None
+        # the drafts' parents when they form a tree (kiln.spec, ScheduledRequest.draft_parents)
+        self.spec_parents: list[int] | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.num_preemptions = 0

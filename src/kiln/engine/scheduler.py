@@ -44,6 +44,9 @@ class ScheduledRequest:
     prompt_logprobs: bool  # compute logprobs of the prompt tokens in this chunk
     grammar: object | None = None  # structured-output matcher (kiln.structured), if any
     draft_probs: object | None = None  # the proposer's q for the scheduled drafts, if any
+    # the scheduled drafts' parents (-1: the last known token; else an earlier draft's index)
+    # when they form a tree; None: a chain (each draft follows the one before)
+    draft_parents: list[int] | None = None
 
 
 @dataclass
@@ -55,6 +58,14 @@ class SchedulerOutput:
     @property
     def empty(self) -> bool:
         return not self.scheduled
+
+
+def tree_depth(parents: list[int]) -> int:
+    """Depth of a draft tree given each draft's parent (-1 = root; parents come first)."""
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+    return max(depth, default=0)
 
 
 class Scheduler:
@@ -156,7 +167,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.spec_token_ids, request.spec_draft_probs = [], None
+        request.spec_token_ids, request.spec_draft_probs, request.spec_parents = [], None, None
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(request)
@@ -219,7 +230,9 @@ class Scheduler:
             and start < request.num_prompt_tokens,
             grammar=request.grammar,
             draft_probs=None if request.spec_draft_probs is None or not drafts
-            else request.spec_draft_probs[:drafts])
+            else request.spec_draft_probs[:drafts],
+            draft_parents=None if request.spec_parents is None or not drafts
+            else request.spec_parents[:drafts])
 
     # -- update ---------------------------------------------------------------------------
 
@@ -246,7 +259,7 @@ class Scheduler:
             rejected = item.num_draft_tokens + 1 - len(sampled)
             request.num_computed_tokens -= rejected
             self.kv.trim(request, request.num_computed_tokens + 1)
-        request.spec_token_ids, request.spec_draft_probs = [], None
+        request.spec_token_ids, request.spec_draft_probs, request.spec_parents = [], None, None
         new_tokens: list[int] = []
         redrawn = False
         for token in sampled:
@@ -266,6 +279,7 @@ class Scheduler:
             num_cached_tokens=request.num_cached_tokens or 0,
             num_draft_tokens=item.num_draft_tokens,
             num_accepted_tokens=max(0, len(sampled) - 1) if item.num_draft_tokens else 0,
+            draft_depth=tree_depth(item.draft_parents) if item.draft_parents else 0,
             num_redraws=int(redrawn))
 
     def _resample_last(self, request: Request) -> None:

@@ -294,8 +294,8 @@ def fused_stack(model: LlamaForCausalLM, x, positions, kv_caches, meta) -> torch
     w, a = model._stack, model.arch
     short, long = meta.short, meta.long
     none4 = (None, None, None, None)
-    short_args = ((short.block_table, short.query_start, short.query_lens, short.context_lens)
-                  if short is not None else none4)
+    short_args = ((short.block_table, short.query_start, short.query_lens, short.context_lens,
+                   short.tree_mask) if short is not None else (*none4, None))
     long_args = ((long.block_table, long.query_start, long.query_lens, long.context_lens)
                  if long is not None else none4)
     norm = model.model.norm

@@ -35,6 +35,10 @@ class SeqLayout:
     query_lens: torch.Tensor  # tokens computed this step (prefill chunk, 1, or 1 + drafts)
     context_lens: torch.Tensor  # tokens already in the cache before this step
     block_table: torch.Tensor  # [num_seqs, max_blocks] block ids, padded with 0
+    # [T] int64 over the whole flat batch, or None: a token's nonzero entry m makes it attend,
+    # among its own sequence's query tokens, only those j with bit j of m set (a draft tree:
+    # its ancestors and itself; kiln.spec); 0 = causal as usual. Only short queries carry trees.
+    tree_mask: torch.Tensor | None = None
 
     @property
     def seq_lens(self) -> torch.Tensor:
@@ -101,13 +105,28 @@ def build_padded_layout(layout: SeqLayout, block_size: int) -> PaddedLayout:
     query_index = torch.where(q_valid, layout.query_start[:, None] + q_off, 0)
     q_pos = torch.where(q_valid, layout.context_lens[:, None] + q_off, 0)  # pads see key 0
     k_pos = torch.arange(k_max)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)  # [S, 1, Qmax, Kmax]
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Qmax, Kmax]
+    if layout.tree_mask is not None:
+        mask = _tree_visibility(layout, query_index, q_valid, k_pos, mask)
+    mask = mask.unsqueeze(1)  # [S, 1, Qmax, Kmax]
     k_blocks = layout.block_table[:, (k_pos // block_size).clamp(
         max=layout.block_table.shape[1] - 1)]
     key_slots = k_blocks * block_size + k_pos % block_size
     key_slots = torch.where(k_pos[None, :] < layout.seq_lens[:, None], key_slots, 0)
     output_index = (torch.arange(num_seqs)[:, None] * q_max + q_off)[q_valid]
     return PaddedLayout(query_index, key_slots, mask, output_index)
+
+
+def _tree_visibility(layout: SeqLayout, query_index: torch.Tensor, q_valid: torch.Tensor,
+                     k_pos: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+    """The [S, Qmax, Kmax] mask with tree tokens' rows replaced: every context key, and the
+    query tokens of their own sequence whose bits they carry."""
+    bits = torch.where(q_valid, layout.tree_mask[query_index], 0)  # [S, Qmax]
+    rel = k_pos[None, :] - layout.context_lens[:, None]  # [S, Kmax] key's index in the block
+    in_block = (rel >= 0) & (rel < 63)
+    shifted = bits[:, :, None] >> rel.clamp(0, 62)[:, None, :]
+    tree = torch.where(in_block[:, None, :], (shifted & 1).bool(), (rel < 0)[:, None, :])
+    return torch.where(bits[:, :, None] != 0, tree, causal)
 
 
 def padded_attention(q, kv_cache, meta: PaddedLayout, scale: float) -> torch.Tensor:
@@ -193,7 +212,7 @@ def causal_attention(q: torch.Tensor, kv_cache, item: LongQuery, scale: float) -
 
 def _subset(layout: SeqLayout, keep: torch.Tensor) -> SeqLayout:
     return SeqLayout(layout.query_start[keep], layout.query_lens[keep],
-                     layout.context_lens[keep], layout.block_table[keep])
+                     layout.context_lens[keep], layout.block_table[keep], layout.tree_mask)
 
 
 @register_attention_backend("cpu")
@@ -218,7 +237,7 @@ class CpuPagedAttention:
 
     def build_metadata(self, layout: SeqLayout, positions: torch.Tensor,
                        block_size: int) -> CpuAttentionMetadata:
-        is_short = layout.query_lens <= self.max_kernel_query_len
+        is_short = layout.query_lens <= self.max_kernel_query_len  # draft trees are short
         short = _subset(layout, is_short) if bool(is_short.any()) else None
         long = None if bool(is_short.all()) else _subset(layout, ~is_short)
         return CpuAttentionMetadata(slot_mapping_for(layout, positions, block_size), block_size,
@@ -233,7 +252,7 @@ class CpuPagedAttention:
             s = meta.short
             torch.ops.kiln.paged_attention(out, q, k_cache, v_cache, s.block_table,
                                            s.query_start, s.query_lens, s.context_lens,
-                                           meta.block_size, scale)
+                                           meta.block_size, scale, s.tree_mask)
         if meta.long is None:
             return out
         if self.bf16_prefill and q.dtype == torch.bfloat16 and head_dim in (64, 128):

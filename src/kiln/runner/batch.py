@@ -4,6 +4,12 @@ Sequence i owns flat tokens [query_start[i], query_start[i] + query_len[i]). Bes
 and positions, the batch records which rows need logits: the positions that sample (the last
 known token, plus one per draft token being verified) and, for requests asking for prompt
 logprobs, every prompt position of the chunk.
+
+Draft trees (kiln.spec): a request whose drafts come with parents computes each draft in a
+cache slot of its own (the slots after its last known token, in draft order) but at the
+position of its depth in the tree, and attends only its own ancestors among the drafts
+(`SeqLayout.tree_mask`). After verification the runner moves the accepted path's KV into
+the slots of its positions (`ModelRunner._compact`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ class LogitsRows:
 @dataclass
 class BatchInputs:
     input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64: rotary positions (a draft tree node's: its depth)
+    slot_positions: torch.Tensor  # [T] int64: where each token's KV goes (= positions, but
+    # for draft trees: node i of a tree rooted at position r sits at r + 1 + i)
     layout: SeqLayout
     logits_index: torch.Tensor  # [R] flat token index of each logits row
     rows: list[LogitsRows]  # per scheduled request
@@ -53,9 +61,39 @@ def build_batch(sched: SchedulerOutput) -> BatchInputs:
         query_start=torch.tensor(starts), query_lens=torch.tensor(lens),
         context_lens=torch.tensor(ctx),
         block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]))
-    positions = _positions(layout, len(token_ids))
-    return BatchInputs(torch.tensor(token_ids), positions, layout,
+    slot_positions = _positions(layout, len(token_ids))
+    positions = slot_positions
+    trees = [(start, item) for start, item in zip(starts, sched.scheduled, strict=True)
+             if item.draft_parents is not None and item.num_draft_tokens]
+    if trees:
+        positions = slot_positions.clone()
+        layout.tree_mask = torch.zeros(len(token_ids), dtype=torch.int64)
+        for start, item in trees:
+            _place_tree(item, start, positions, layout.tree_mask)
+    return BatchInputs(torch.tensor(token_ids), positions, slot_positions, layout,
                        torch.tensor(logits_index, dtype=torch.int64), rows)
+
+
+MAX_TREE_QUERY = 16  # a tree's query (known tokens + drafts) stays within the short kernel
+
+
+def _place_tree(item, q_start: int, positions: torch.Tensor, tree_mask: torch.Tensor) -> None:
+    """Rotary positions by depth and attention bits of one request's draft tree: the query's
+    known tokens (the last one is the root) are visible to every node, then each node sees
+    its ancestors and itself."""
+    n, d = len(item.token_ids), item.num_draft_tokens
+    if n > MAX_TREE_QUERY:
+        raise ValueError(f"a draft tree's query has {n} tokens; at most {MAX_TREE_QUERY}")
+    root = n - 1 - d  # local index of the last known token
+    known = (1 << (root + 1)) - 1
+    bits, depth = [], []
+    for i, parent in enumerate(item.draft_parents[:d]):
+        up_bits, up_depth = (known, 0) if parent < 0 else (bits[parent], depth[parent])
+        bits.append(up_bits | 1 << (root + 1 + i))
+        depth.append(up_depth + 1)
+    at = q_start + root + 1
+    positions[at:at + d] = item.start_pos + root + torch.tensor(depth)
+    tree_mask[at:at + d] = torch.tensor(bits)
 
 
 def _logits_rows(item, q_start: int, n: int, logits_index: list[int]) -> LogitsRows:

@@ -62,6 +62,13 @@ class StepHidden:
 
     batch: BatchInputs
     hidden: torch.Tensor
+    # flat row of each token's hidden state, where a draft tree's accepted path was moved
+    # into place (path node j's row holds the state of the draft accepted at depth j); None:
+    # every row is its own
+    rows: torch.Tensor | None = None
+
+    def physical(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat if self.rows is None else self.rows[flat]
 
 
 class ModelRunner:
@@ -116,7 +123,8 @@ class ModelRunner:
         `execute` samples from them; a draft model's proposer scores a draft vocabulary."""
         self.release(sched.finished_ids)
         batch = build_batch(sched)
-        meta = self.backend.build_metadata(batch.layout, batch.positions, self.kv_spec.block_size)
+        meta = self.backend.build_metadata(batch.layout, batch.slot_positions,
+                                           self.kv_spec.block_size)
         return batch, self.model(batch.input_ids, batch.positions, self.kv_caches, meta)
 
     @torch.inference_mode()
@@ -129,12 +137,47 @@ class ModelRunner:
 
     def _outputs(self, sched: SchedulerOutput, batch: BatchInputs,
                  logits: torch.Tensor) -> RunnerOutput:
-        sampled, logprobs = self._sample(sched.scheduled, batch.rows, logits)
+        sampled, logprobs, paths = self._sample(sched.scheduled, batch.rows, logits)
+        if any(path for path in paths):
+            self._compact(sched, batch, paths)
         prompt_lp = None
         if any(item.prompt_logprobs for item in sched.scheduled):
             prompt_lp = [self._prompt_logprobs(item, rows, logits)
                          for item, rows in zip(sched.scheduled, batch.rows, strict=True)]
         return RunnerOutput(sampled, logprobs, prompt_lp)
+
+    def _compact(self, sched: SchedulerOutput, batch: BatchInputs,
+                 paths: list[list[int] | None]) -> None:
+        """Draft trees: move the KV of each accepted path (draft c accepted at depth j sat in
+        slot r + 1 + c, r the root's position) to the slots of its positions r + 1 + j, in
+        every layer, so the cache reads as if the path alone had been computed; the
+        scheduler then trims past it. A kept step's hidden rows are remapped alike."""
+        bs = self.kv_spec.block_size
+        src, dst, row_src, row_dst = [], [], [], []
+        for item, path, q_start in zip(sched.scheduled, paths, batch.layout.query_start.tolist(),
+                                       strict=True):
+            if not path:
+                continue
+            root = len(item.token_ids) - 1 - item.num_draft_tokens
+            for j, c in enumerate(path):
+                if c == j:
+                    continue
+                for pos, out in ((item.start_pos + root + 1 + c, src),
+                                 (item.start_pos + root + 1 + j, dst)):
+                    out.append(item.block_ids[pos // bs] * bs + pos % bs)
+                row_src.append(q_start + root + 1 + c)
+                row_dst.append(q_start + root + 1 + j)
+        if not src:
+            return
+        src_t, dst_t = torch.tensor(src), torch.tensor(dst)  # each dst < its src: no overlap
+        for k, v in self.kv_caches:
+            k[dst_t] = k[src_t]
+            v[dst_t] = v[src_t]
+        step = self.last_step
+        if step is not None and step.batch is batch:
+            rows = torch.arange(len(batch.input_ids))
+            rows[torch.tensor(row_dst)] = torch.tensor(row_src)
+            step.rows = rows
 
     def _sample(self, scheduled: list[ScheduledRequest], rows: list[LogitsRows],
                 logits: torch.Tensor):
@@ -146,24 +189,27 @@ class ModelRunner:
             if not r.num_sample:
                 continue
             drafts = item.token_ids[len(item.token_ids) - item.num_draft_tokens:]
-            groups.append(VerifyGroup(len(sample_rows), drafts, item.draft_probs))
-            grammar_rows.add(item.grammar, len(sample_rows), drafts)
+            parents = item.draft_parents if drafts else None
+            groups.append(VerifyGroup(len(sample_rows), drafts, item.draft_probs, parents))
+            grammar_rows.add(item.grammar, len(sample_rows), drafts)  # trees have no grammar
             owners.append(i)
             for j in range(r.num_sample):
-                sample_rows.append(self._row(item, drafts[:j]))
+                sample_rows.append(self._row(item, _draft_history(drafts, parents, j)))
                 index.append(r.sample_start + j)
         result = [[] for _ in scheduled]
+        paths: list[list[int] | None] = [None] * len(scheduled)
         want_logprobs = any(item.params.logprobs is not None for item in scheduled)
         lp_result = [[] for _ in scheduled] if want_logprobs else None
         if not sample_rows:
-            return result, lp_result
+            return result, lp_result, paths
         out = verify(self.sampler, take_rows(logits, index), sample_rows, groups,
                      bitmask=grammar_rows.fill(sample_rows))
         for g, owner in enumerate(owners):
             result[owner] = out.token_ids[g]
+            paths[owner] = out.paths[g]
             if lp_result is not None and scheduled[owner].params.logprobs is not None:
                 lp_result[owner] = out.logprobs[g]
-        return result, lp_result
+        return result, lp_result, paths
 
     def _row(self, item: ScheduledRequest, drafts_before: list[int]) -> SamplingRow:
         gen = None
@@ -185,3 +231,15 @@ class ModelRunner:
         return compute_logprobs(logits[lo:lo + rows.num_prompt], targets,
                                 item.params.prompt_logprobs or 0)
 
+
+
+def _draft_history(drafts: list[int], parents: list[int] | None, row: int) -> list[int]:
+    """The drafts before sampling row `row` (row 0: none): a chain's first `row`, a tree's
+    path from the root to draft row - 1."""
+    if parents is None or not row:
+        return drafts[:row]
+    path, node = [], row - 1
+    while node >= 0:
+        path.append(drafts[node])
+        node = parents[node]
+    return path[::-1]

@@ -121,6 +121,8 @@ class HeadProposer:
         self.pending: dict[str, _Pending] = {}
         self.drafted: set[str] = set()  # requests the head has drafted for
         self.rounds = 0
+        self.width = config.tree_width  # > 1: the head's top `width` first drafts, each
+        # continued as a chain (a tree of `width` branches)
         runner.keep_hidden = True
 
     @torch.inference_mode()
@@ -175,10 +177,11 @@ class HeadProposer:
         starts = step.batch.layout.query_start
         if all(n == 1 for _, _, n in spans):  # decode steps: one position per request
             flat = starts[torch.tensor([i for i, _, _ in spans])]
-            chunks = self.tap.features(step.hidden, flat)[:, None].unbind()
+            chunks = self.tap.features(step.hidden, step.physical(flat))[:, None].unbind()
         else:
             flat = torch.cat([torch.arange(n) + int(starts[i]) for i, _, n in spans])
-            chunks = self.tap.features(step.hidden, flat).split([n for _, _, n in spans])
+            chunks = self.tap.features(step.hidden, step.physical(flat)).split(
+                [n for _, _, n in spans])
         for (_, item, _), chunk in zip(spans, chunks, strict=True):
             p = self.pending.get(item.request_id)
             if p is None or not p.start <= item.start_pos <= p.end:
@@ -225,26 +228,40 @@ class HeadProposer:
         rows = [last[wanted[i].request.request_id] for i in live]
         h = torch.stack([r[0] for r in rows])
         ctx_len = torch.tensor([r[1] for r in rows])
-        token = self._pick(h)
-        drafts = [token]
+        tables = torch.stack([r[2] for r in rows])
         k = max(wanted[i].max_drafts for i in live)
+        width = self.width
+        token = self._pick(h, width).reshape(-1)  # [B * width]: each row's branches in turn
+        if width > 1:
+            h, ctx_len = h.repeat_interleave(width, 0), ctx_len.repeat_interleave(width)
+            tables = tables.repeat_interleave(width, 0)
+        drafts = [token]
         if k > 1:
-            chain = self._chain(ctx_len, torch.stack([r[2] for r in rows]))
+            chain = self._chain(ctx_len, tables)
             for j in range(k - 1):
                 h = self.head(h, self.embed(token), *self._rope(ctx_len + j), chain)
                 token = self._pick(h)
                 drafts.append(token)
-        table = torch.stack(drafts, dim=1).tolist()
+        table = torch.stack(drafts, dim=1).view(len(live), width, k).tolist()
         for b, i in enumerate(live):
-            out[i] = Draft(table[b][:wanted[i].max_drafts])
+            if width == 1:
+                out[i] = Draft(table[b][0][:wanted[i].max_drafts])
+                continue
+            # branch after branch, each a chain: node c * k + j follows c * k + j - 1
+            parents = [-1 if j == 0 else c * k + j - 1 for c in range(width) for j in range(k)]
+            out[i] = Draft([t for branch in table[b] for t in branch], None, parents)
         return out
 
     def _rope(self, positions: torch.Tensor):
         return self.cos[positions][:, None], self.sin[positions][:, None]
 
-    def _pick(self, h: torch.Tensor) -> torch.Tensor:
+    def _pick(self, h: torch.Tensor, width: int = 1) -> torch.Tensor:
+        """The head's choice per row ([B]), or its `width` best, best first ([B, width])."""
         normed = self.ops.rms_norm(h, self.head.norm, self.head.c.rms_norm_eps)
-        return self.head.draft_vocab[self.lm(normed).argmax(dim=-1)]
+        logits = self.lm(normed)
+        if width == 1:
+            return self.head.draft_vocab[logits.argmax(dim=-1)]
+        return self.head.draft_vocab[logits.topk(width, dim=-1).indices]
 
     def _chain(self, ctx_len: torch.Tensor, tables: torch.Tensor) -> ChainAttention:
         """Gather each sequence's head KV of positions < ctx_len once per round."""

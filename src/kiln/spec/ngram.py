@@ -6,13 +6,19 @@ tokens that followed that occurrence (the latest one that is followed by k token
 matches are more specific, recent ones more relevant (code and documents repeat their own
 identifiers and phrases). Costs a few numpy
 comparisons over the sequence per step; no model, no state.
+
+With `tree_width` > 1 it proposes a tree: that chain first, then the continuations of other
+earlier occurrences (the longest suffix's, latest first, then shorter suffixes'), merged by
+common prefix, until the tree holds `tree_width` distinct continuations. Text that repeats
+itself often repeats with variations (the same call with another argument, the same phrase
+ending two ways): one of several continuations is right more often than the latest alone.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kiln.config import SpeculativeConfig
+from kiln.config import MAX_TREE_DRAFTS, SpeculativeConfig
 from kiln.engine.scheduler import SchedulerOutput
 from kiln.spec.proposer import Draft, DraftRequest, ProposerContext, register_proposer
 
@@ -37,12 +43,71 @@ def ngram_match(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> tuple[lis
     return [], 0
 
 
+MAX_OCCURRENCES = 64  # a tree looks at the latest this many occurrences of each suffix
+
+
+def ngram_tree(tokens: np.ndarray, k: int, n_min: int, n_max: int, width: int,
+               size: int = MAX_TREE_DRAFTS) -> tuple[Draft, int]:
+    """A tree of up to `width` distinct continuations (at most k deep, `size` drafts),
+    `propose_ngram`'s chain first; and the length of the suffix that chain matched."""
+    chain, matched = ngram_match(tokens, k, n_min, n_max)
+    tree = _Trie(size)
+    tree.add(chain)
+    total = len(tokens)
+    for n in range(min(n_max, total - 1, matched), n_min - 1, -1):
+        if tree.leaves >= width or tree.full:
+            break
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:total - 1], n)
+        hits = np.flatnonzero((windows == tokens[total - n:]).all(axis=1))
+        for start in hits[::-1][:MAX_OCCURRENCES].tolist():
+            tree.add(tokens[start + n:start + n + k].tolist())
+            if tree.leaves >= width or tree.full:
+                break
+    return tree.draft(), matched
+
+
+class _Trie:
+    """Draft continuations merged by common prefix, nodes in insertion order."""
+
+    def __init__(self, size: int):
+        self.size, self.tokens, self.parents = size, [], []
+        self.children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        self.inner: set[int] = set()  # nodes with children (-1: the root)
+        self.leaves = 0
+
+    @property
+    def full(self) -> bool:
+        return len(self.tokens) >= self.size
+
+    def add(self, continuation: list[int]) -> None:
+        node = -1
+        for token in continuation:
+            child = self.children.get((node, token))
+            if child is None:
+                if self.full:
+                    return
+                # a leaf's first child takes its place as a leaf; any other child is a new one
+                self.leaves += int(node < 0 or node in self.inner)
+                self.inner.add(node)
+                child = self.children[(node, token)] = len(self.tokens)
+                self.tokens.append(token)
+                self.parents.append(node)
+            node = child
+
+    def draft(self) -> Draft:
+        return Draft(self.tokens, None, self.parents).limit(len(self.tokens), self.size)
+
+
 @register_proposer("ngram")
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig, ctx: ProposerContext | None = None):
         self.n_min, self.n_max = config.ngram_min, config.ngram_max
+        self.width = config.tree_width
 
     def propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]) -> list[Draft]:
+        if self.width > 1:
+            return [ngram_tree(np.asarray(w.request.all_token_ids), w.max_drafts, self.n_min,
+                               self.n_max, self.width)[0] for w in wanted]
         return [Draft(propose_ngram(np.asarray(w.request.all_token_ids), w.max_drafts,
                                     self.n_min, self.n_max)) for w in wanted]
 

@@ -51,6 +51,40 @@ class DraftRequest:
 class Draft:
     token_ids: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # [len(token_ids), V] q per draft; None = one-hot drafts
+    # a tree: each draft's parent, -1 for the last known token, else an earlier draft's index
+    # (siblings distinct, the first child of each node its most likely one); None = a chain
+    parents: list[int] | None = None
+
+    def limit(self, depth: int, size: int) -> Draft:
+        """At most `depth` drafts deep and `size` drafts in all (a tree keeps its first
+        `size` nodes within that depth, so every kept node's parent is kept). A tree that is
+        left a chain becomes one."""
+        if self.parents is None:
+            n = min(depth, size)
+            return Draft(self.token_ids[:n], None if self.probs is None else self.probs[:n])
+        index, tokens, parents, depths = {}, [], [], []
+        for i, (token, parent) in enumerate(zip(self.token_ids, self.parents, strict=True)):
+            d = 1 if parent < 0 else depths[index[parent]] + 1 if parent in index else depth + 1
+            if d > depth or len(tokens) >= size:
+                continue
+            index[i] = len(tokens)
+            tokens.append(token)
+            parents.append(-1 if parent < 0 else index[parent])
+            depths.append(d)
+        if all(p == i - 1 for i, p in enumerate(parents)):
+            return Draft(tokens)
+        return Draft(tokens, None, parents)
+
+    def main_chain(self) -> Draft:
+        """The chain of first children from the root (a tree's most likely path)."""
+        if self.parents is None:
+            return self
+        chain, node = [], -1
+        for i, parent in enumerate(self.parents):
+            if parent == node:
+                chain.append(self.token_ids[i])
+                node = i
+        return Draft(chain)
 
 
 @dataclass

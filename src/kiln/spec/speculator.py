@@ -13,8 +13,9 @@
      small model; with adaptive speculation, a match of a length whose drafts have been
      worth less than the model's goes to the model after all);
   4. each guess passes `draft_filter`, the seam for structured output (a grammar keeps the
-     drafts it accepts), and lands in `request.spec_token_ids` (and `spec_draft_probs`),
-     where the scheduler picks it up as extra query tokens.
+     drafts it accepts; a request with a grammar gets a tree's main chain only), and lands in
+     `request.spec_token_ids` (and `spec_draft_probs`, `spec_parents` for a tree), where the
+     scheduler picks it up as extra query tokens.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kiln.config import SpeculativeConfig
+from kiln.config import MAX_TREE_DRAFTS, SpeculativeConfig
 from kiln.engine.outputs import EngineCoreOutput
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.spec.adaptive import AdaptiveK
-from kiln.spec.ngram import ngram_match
+from kiln.spec.ngram import ngram_match, ngram_tree
 from kiln.spec.proposer import Draft, DraftRequest, ProposerContext, build_proposer
 
 # (request, drafts) -> how many leading drafts to keep
@@ -111,33 +112,42 @@ class Speculator:
         follow the target). Returns the wanted drafts, the drafts, each one's controller, and
         (controller, k) the step's cost is booked to: the proposer's when it drafted (its
         time is in the step), else lookup's."""
-        c, batch = self.config, len(candidates)
-        found = [ngram_match(np.asarray(r.all_token_ids), self._cap(r, c.num_speculative_tokens),
-                             c.ngram_min, c.ngram_max) for r in candidates]
-        pays = [bool(f) and self._lookup_pays(batch, n, r.request_id)
+        batch = len(candidates)
+        found = [self._lookup(r) for r in candidates]
+        pays = [bool(f.token_ids) and self._lookup_pays(batch, n, r.request_id)
                 for r, (f, n) in zip(candidates, found, strict=True)]
         rest = [r for r, p in zip(candidates, pays, strict=True) if not p]
         k_model = self.adaptive.choose(batch, [r.request_id for r in rest]) if rest else 0
         # a match passed over for the model still drafts in a step where the model does not
         matched = [(r, f, n) for r, (f, n), p in zip(candidates, found, pays, strict=True)
-                   if f and (p or not k_model)]
+                   if f.token_ids and (p or not k_model)]
         k_lookup = (self.lookup.choose(batch, [r.request_id for r, _, _ in matched])
                     if matched else 0)
         to_model = [DraftRequest(r, n) for r in rest if (n := self._cap(r, k_model)) > 0]
         model_drafts = self.proposer.propose(sched, to_model)
         to_lookup = [DraftRequest(r, self._cap(r, k_lookup)) for r, _, _ in matched if k_lookup]
         wanted = to_model + to_lookup
-        drafts = model_drafts + [Draft(f[:k_lookup]) for _, f, _ in matched if k_lookup]
+        drafts = model_drafts + [f for _, f, _ in matched if k_lookup]
         self._match_of.update((r.request_id, n) for r, _, n in matched if k_lookup)
         for (f, n), p in zip(found, pays, strict=True):
             # passed over: old evidence fades toward the prior, so lookup gets it back in time
-            if f and not p and k_model and (record := self._by_match.get(n)):
+            if f.token_ids and not p and k_model and (record := self._by_match.get(n)):
                 record[0] *= self.lookup.acceptance_decay
                 record[1] *= self.lookup.acceptance_decay
         sources = [self.adaptive] * len(to_model) + [self.lookup] * len(to_lookup)
         planned = ((self.adaptive, k_model) if to_model or not to_lookup
                    else (self.lookup, k_lookup))
         return wanted, drafts, sources, planned
+
+    def _lookup(self, request: Request) -> tuple[Draft, int]:
+        """Lookup's drafts for a request (a tree with `tree_width` > 1) and the length of
+        the suffix they matched (0: none)."""
+        c, tokens = self.config, np.asarray(request.all_token_ids)
+        k = self._cap(request, c.num_speculative_tokens)
+        if c.tree_width > 1:
+            return ngram_tree(tokens, k, c.ngram_min, c.ngram_max, c.tree_width)
+        chain, n = ngram_match(tokens, k, c.ngram_min, c.ngram_max)
+        return Draft(chain), n
 
     def _lookup_pays(self, batch: int, match_length: int, request_id: str) -> bool:
         """Whether a request whose text ends in an n-gram match of this length takes lookup's
@@ -173,12 +183,18 @@ class Speculator:
         return max(0, k)
 
     def _store(self, wanted: DraftRequest, draft: Draft, source: AdaptiveK) -> None:
-        request, tokens = wanted.request, draft.token_ids[:wanted.max_drafts]
-        if tokens and self.draft_filter is not None:
+        request = wanted.request
+        if draft.parents is not None and (request.grammar is not None or draft.probs is not None):
+            draft = draft.main_chain()  # grammar masks and q rows follow one chain
+        draft = draft.limit(wanted.max_drafts,
+                            min(MAX_TREE_DRAFTS, self.max_model_len - request.num_tokens))
+        tokens = draft.token_ids
+        if tokens and self.draft_filter is not None and draft.parents is None:
             tokens = tokens[:self.draft_filter(request, tokens)]
         request.spec_token_ids = tokens
         request.spec_draft_probs = (draft.probs[:len(tokens)]
                                     if tokens and draft.probs is not None else None)
+        request.spec_parents = draft.parents if tokens else None
         self._asked[request.request_id] = (wanted.max_drafts, len(tokens), source)
 
     def _observe(self, sched: SchedulerOutput, outputs: list[EngineCoreOutput],
@@ -188,7 +204,8 @@ class Speculator:
         for out in outputs:
             asked = self._asked.pop(out.request_id, None)
             if asked is not None and (out.new_token_ids or out.num_draft_tokens):
-                num_asked = asked[0] if out.num_draft_tokens == asked[1] else out.num_draft_tokens
+                num_asked = (asked[0] if out.num_draft_tokens == asked[1]
+                             else min(asked[0], out.num_draft_tokens))
                 asked[2].observe_acceptance(num_asked, out.num_accepted_tokens, out.request_id)
             if asked is not None and out.num_draft_tokens:
                 out.draft_source = self._source[id(asked[2])]

@@ -18,6 +18,16 @@ p_{k+1}. Each emitted token is then distributed exactly as p, whatever q was. Pr
 pick drafts deterministically (argmax, n-gram lookup) pass no q: q is one-hot at the draft, the
 acceptance probability is p_j(x_j), and the residual is p_j without x_j.
 
+Draft trees (`VerifyGroup.parents`): row 0 scores the children of the last known token and
+row 1 + i those of draft i. Greedy: walk down from the root, at each node to the child equal
+to the target's argmax of the node's row; emit the path's drafts and the argmax where no
+child matches. Sampled (one-hot drafts only): at each node, try its children in order, each
+with probability r(x) / sum(r), where r is the node's p with the children already rejected
+zeroed (sampling from p by elimination: a token is emitted with probability exactly p(x)); an
+accepted child continues the walk from its own row, and when every child is rejected the
+token is drawn from r. The accepted path (`VerifyOutput.paths`) tells the runner whose KV to
+keep.
+
 Randomness: a seeded request draws its k uniforms and one row of Exp(1) noise (for the final
 draw, an exponential race as in the sampler) from its own generator, so its tokens depend only
 on its seed and its drafts, never on its batch company.
@@ -40,12 +50,14 @@ class VerifyGroup:
     first_row: int
     drafts: list[int]  # x_1..x_k; empty = a plain sampling row
     draft_probs: torch.Tensor | None = None  # [k, V] q_j, or None: drafts were one-hot
+    parents: list[int] | None = None  # a tree: each draft's parent (-1 = root); None = chain
 
 
 @dataclass
 class VerifyOutput:
     token_ids: list[list[int]]  # per group: accepted drafts, then one token from the target
     logprobs: list[list[TokenLogprobs]] | None  # per group, when any row asks for logprobs
+    paths: list[list[int] | None]  # per tree group: the accepted drafts' indices; else None
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow],
@@ -56,6 +68,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow],
     logits = logits[:, :sampler.vocab_size]
     processed = sampler.process(logits, rows, bitmask)
     tokens: list[list[int]] = [[] for _ in groups]
+    paths: list[list[int] | None] = [None] * len(groups)
     plain = [i for i, g in enumerate(groups) if not g.drafts]
     if plain:
         index = [groups[i].first_row for i in plain]
@@ -66,10 +79,11 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow],
     greedy = [i for i in drafted if rows[groups[i].first_row].params.greedy]
     sampled = [i for i in drafted if not rows[groups[i].first_row].params.greedy]
     if greedy:
-        _verify_greedy(processed, [groups[i] for i in greedy], tokens, greedy)
+        _verify_greedy(processed, [groups[i] for i in greedy], tokens, paths, greedy)
     if sampled:
-        _verify_sampled(sampler, processed, rows, [groups[i] for i in sampled], tokens, sampled)
-    return VerifyOutput(tokens, _logprobs(logits, rows, groups, tokens))
+        _verify_sampled(sampler, processed, rows, [groups[i] for i in sampled], tokens, paths,
+                        sampled)
+    return VerifyOutput(tokens, _logprobs(logits, rows, groups, tokens, paths), paths)
 
 
 def _group_rows(g: VerifyGroup) -> range:
@@ -77,14 +91,18 @@ def _group_rows(g: VerifyGroup) -> range:
 
 
 def _verify_greedy(processed: torch.Tensor, groups: list[VerifyGroup],
-                   tokens: list[list[int]], slots: list[int]) -> None:
+                   tokens: list[list[int]], paths: list[list[int] | None],
+                   slots: list[int]) -> None:
     index = [r for g in groups for r in _group_rows(g)]
     argmax = processed[index].argmax(dim=-1).tolist()
     at = 0
     for slot, g in zip(slots, groups, strict=True):
         target = argmax[at:at + len(g.drafts) + 1]
         at += len(target)
-        tokens[slot] = accept_greedy(g.drafts, target)
+        if g.parents is None:
+            tokens[slot] = accept_greedy(g.drafts, target)
+        else:
+            tokens[slot], paths[slot] = accept_greedy_tree(g.drafts, g.parents, target)
 
 
 def accept_greedy(drafts: list[int], target: list[int]) -> list[int]:
@@ -95,9 +113,56 @@ def accept_greedy(drafts: list[int], target: list[int]) -> list[int]:
     return drafts[:n] + [target[n]]
 
 
+def children_of(parents: list[int]) -> dict[int, list[int]]:
+    """node (-1 = root) -> its children's indices, in draft order."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i)
+    return children
+
+
+def accept_greedy_tree(drafts: list[int], parents: list[int],
+                       target: list[int]) -> tuple[list[int], list[int]]:
+    """The tree walk: from the root (row 0), follow the child equal to the target's choice
+    at the node's row (row 1 + i for draft i). Returns the emitted tokens and the path."""
+    children, path, row = children_of(parents), [], 0
+    node = -1
+    while True:
+        choice = target[row]
+        step = next((c for c in children.get(node, ()) if drafts[c] == choice), None)
+        if step is None:
+            return [drafts[c] for c in path] + [choice], path
+        path.append(step)
+        node, row = step, 1 + step
+
+
+def accept_sampled_tree(drafts: list[int], parents: list[int], p: torch.Tensor,
+                        uniforms: torch.Tensor, noise: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Sampling by elimination down a tree of one-hot drafts. p: [1 + n, V] target rows,
+    uniforms: [n] (each child is tried at most once), noise: [V] Exp(1) for the final draw."""
+    children, path, row, used = children_of(parents), [], 0, 0
+    node = -1
+    while True:
+        residual = p[row].clone()
+        step = None
+        for c in children.get(node, ()):
+            total = float(residual.sum())
+            if total > 0 and float(uniforms[used]) * total < float(residual[drafts[c]]):
+                step = c
+                break
+            used += 1
+            residual[drafts[c]] = 0.0
+        if step is None:
+            final = residual if bool(residual.sum() > 0) else p[row]
+            return [drafts[c] for c in path] + [int((final / noise).argmax())], path
+        used += 1
+        path.append(step)
+        node, row = step, 1 + step
+
+
 def _verify_sampled(sampler: Sampler, processed: torch.Tensor, rows: list[SamplingRow],
                     groups: list[VerifyGroup], tokens: list[list[int]],
-                    slots: list[int]) -> None:
+                    paths: list[list[int] | None], slots: list[int]) -> None:
     index = [r for g in groups for r in _group_rows(g)]
     probs = sampler.probabilities(processed[index], [rows[r] for r in index])
     at = 0
@@ -106,7 +171,11 @@ def _verify_sampled(sampler: Sampler, processed: torch.Tensor, rows: list[Sampli
         p = probs[at:at + k + 1]
         at += k + 1
         uniforms, noise = _randomness(sampler, rows[g.first_row], k, p.shape[1])
-        tokens[slot] = accept_sampled(g.drafts, p, g.draft_probs, uniforms, noise)
+        if g.parents is None:
+            tokens[slot] = accept_sampled(g.drafts, p, g.draft_probs, uniforms, noise)
+        else:
+            tokens[slot], paths[slot] = accept_sampled_tree(g.drafts, g.parents, p, uniforms,
+                                                            noise)
 
 
 def accept_sampled(drafts: list[int], p: torch.Tensor, q: torch.Tensor | None,
@@ -147,13 +216,16 @@ def _randomness(sampler: Sampler, row: SamplingRow, k: int,
 
 
 def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], groups: list[VerifyGroup],
-              tokens: list[list[int]]) -> list[list[TokenLogprobs]] | None:
+              tokens: list[list[int]],
+              paths: list[list[int] | None]) -> list[list[TokenLogprobs]] | None:
     """Raw-distribution logprobs of every emitted token, from the row that chose it."""
     want = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
     if want is None:
         return None
-    index = [g.first_row + j for g, toks in zip(groups, tokens, strict=True)
-             for j in range(len(toks))]
+    index = []
+    for g, toks, path in zip(groups, tokens, paths, strict=True):
+        offsets = range(len(toks)) if path is None else [0] + [1 + c for c in path]
+        index.extend(g.first_row + j for j in offsets)
     flat = compute_logprobs(logits[index], torch.tensor([t for ts in tokens for t in ts]), want)
     out, at = [], 0
     for toks in tokens:

@@ -1,13 +1,14 @@
 """kiln's C++ CPU kernels, compiled on first use with torch's extension tooling.
 
-`load()` builds kernels.cpp (once per machine; cached under $TORCH_EXTENSIONS_DIR, by default
-~/.cache/torch_extensions) and registers the ops as `torch.ops.kiln.*`. If the build fails
-(no compiler, no ninja) it logs one line and returns False: callers then use the plain torch
-reference path, which every kernel is tested against.
+`load()` builds kernels.cpp (once per machine and version of the source; cached under
+$TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions) and registers the ops as
+`torch.ops.kiln.*`. If the build fails (no compiler, no ninja) it logs one line and returns
+False: callers then use the plain torch reference path, which every kernel is tested against.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -25,7 +26,10 @@ def _build() -> None:
 
     source = Path(__file__).with_name("kernels.cpp")
     flags = ["-O3", "-fopenmp", "-march=native", "-ffast-math", "-fno-finite-math-only"]
-    load(name="kiln_cpu_ops", sources=[str(source)], extra_cflags=flags,
+    # named by the source's hash: two kiln checkouts on one machine (a CI clone beside a work
+    # tree) would otherwise rebuild one build directory in turn and load each other's library
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    load(name=f"kiln_cpu_ops_{digest}", sources=[str(source)], extra_cflags=flags,
          extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 

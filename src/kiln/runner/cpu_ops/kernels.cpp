@@ -434,13 +434,32 @@ inline void softmax_row(float* s, int64_t n) {
 // Paged attention for sequences with short queries (decodes, draft verification).
 // q: [T, Hq, D] (row-strided view ok); caches: [slots, Hkv, D]; out: [T, Hq * D].
 // Sequence s owns flat tokens [query_start[s], query_start[s] + query_lens[s]); token i sits at
-// position context_lens[s] + i and attends to keys at positions <= its own.
+// position context_lens[s] + i and attends to keys at positions <= its own. With `tree` (one
+// int64 per flat token, or null), a token whose entry m is nonzero attends instead, among its
+// sequence's query tokens, to those j with bit j of m set (a draft tree: its ancestors and
+// itself), and to every context key as before.
 // One task per (sequence, kv head): the group's query heads share each K/V row read.
+// Mask the scores of query tokens [t0, t0 + nq) against their own block's keys ctx + 1 .. :
+// causal, or by each token's tree bits (see paged_attention). rows = nq * group, row stride nk.
+inline void mask_query_block(float* scores, const int64_t* tree, int64_t t0, int64_t nq,
+                             int64_t ctx, int64_t nk, int64_t group) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t m = tree ? tree[t0 + i] : 0;
+    for (int64_t j = ctx + 1; j < nk; ++j) {
+      const bool visible = m ? ((m >> (j - ctx)) & 1) != 0 : j - ctx <= i;
+      if (!visible)
+        for (int64_t g = 0; g < group; ++g) scores[(i * group + g) * nk + j] = neg_inf;
+    }
+  }
+}
+
 template <typename T>
 void attend_one(const T* qp, const T* kc, const T* vc, T* op, const int64_t* table,
                 int64_t t0, int64_t nq, int64_t ctx, int64_t kvh, int64_t hkv, int64_t group,
                 int64_t d, int64_t q_row, int64_t q_head, int64_t block_size, float scale,
-                std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
+                const int64_t* tree, std::vector<float>& qf, std::vector<float>& scores,
+                std::vector<float>& acc) {
   const int64_t nk = ctx + nq, rows = nq * group, hq = hkv * group;
   scores.resize(rows * nk);
   qf.resize(rows * d);
@@ -451,10 +470,7 @@ void attend_one(const T* qp, const T* kc, const T* vc, T* op, const int64_t* tab
       for (int64_t x = 0; x < d; ++x) dst[x] = f32(src[x]) * scale;
     }
   key_scores(qf.data(), kc, table, scores.data(), rows, nk, kvh, hkv, d, block_size);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t j = ctx + 1; j < nk; ++j)  // causal: query i sees keys j <= ctx + i
-    for (int64_t i = 0; i < j - ctx; ++i)
-      for (int64_t g = 0; g < group; ++g) scores[(i * group + g) * nk + j] = neg_inf;
+  mask_query_block(scores.data(), tree, t0, nq, ctx, nk, group);
   for (int64_t r = 0; r < rows; ++r) softmax_row(scores.data() + r * nk, nk);
   acc.assign(rows * d, 0.f);
   weighted_values(scores.data(), vc, table, acc.data(), rows, nk, kvh, hkv, d, block_size);
@@ -476,8 +492,9 @@ void attend_heads_bf16(const at::BFloat16* qp, const at::BFloat16* kc,
                        const at::BFloat16* vc, at::BFloat16* op, const int64_t* table,
                        int64_t t0, int64_t nq, int64_t ctx, int64_t h0, int64_t h1,
                        int64_t hkv, int64_t group, int64_t q_row, int64_t q_head,
-                       int64_t block_size, float scale, std::vector<uint16_t>& qb,
-                       std::vector<float>& scores, std::vector<float>& acc) {
+                       int64_t block_size, float scale, const int64_t* tree,
+                       std::vector<uint16_t>& qb, std::vector<float>& scores,
+                       std::vector<float>& acc) {
   const int64_t nk = ctx + nq, rows = nq * group, heads = h1 - h0, stride = hkv * D;
   qb.resize(heads * rows * D);
   for (int64_t h = h0; h < h1; ++h)
@@ -498,12 +515,9 @@ void attend_heads_bf16(const at::BFloat16* qp, const at::BFloat16* kc,
                     n, scores.data() + (h - h0) * rows * nk + j0, nk, sc);
     j0 += n;
   }
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t h = 0; h < heads; ++h) {
     float* sh = scores.data() + h * rows * nk;
-    for (int64_t j = ctx + 1; j < nk; ++j)  // causal: query i sees keys j <= ctx + i
-      for (int64_t i = 0; i < j - ctx; ++i)
-        for (int64_t g = 0; g < group; ++g) sh[(i * group + g) * nk + j] = neg_inf;
+    mask_query_block(sh, tree, t0, nq, ctx, nk, group);
     for (int64_t r = 0; r < rows; ++r) softmax_row(sh + r * nk, nk);
   }
   acc.resize(heads * rows * D);
@@ -524,7 +538,8 @@ void attend_heads_bf16(const at::BFloat16* qp, const at::BFloat16* kc,
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_table,
                      const at::Tensor& query_start, const at::Tensor& query_lens,
-                     const at::Tensor& context_lens, int64_t block_size, double scale) {
+                     const at::Tensor& context_lens, int64_t block_size, double scale,
+                     const std::optional<at::Tensor>& tree_mask) {
   const int64_t num_seqs = context_lens.size(0), hq = q.size(1), d = q.size(2);
   const int64_t hkv = k_cache.size(1), group = hq / hkv;
   TORCH_CHECK(q.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -537,6 +552,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   const int64_t *qsp = qs.data_ptr<int64_t>(), *qlp = ql.data_ptr<int64_t>();
   const int64_t* cxp = ctx.data_ptr<int64_t>();
   const int64_t bt_width = bt.size(1);
+  at::Tensor tm;
+  if (tree_mask.has_value()) {
+    tm = tree_mask->contiguous().to(at::kLong);
+    TORCH_CHECK(tm.dim() == 1 && tm.size(0) >= q.size(0), "paged_attention: tree_mask must "
+                "hold one entry per flat token");
+  }
+  const int64_t* tree = tree_mask.has_value() ? tm.data_ptr<int64_t>() : nullptr;
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16 && (d == 64 || d == 128)) {
     // a job per sequence (all its heads) when there are enough to share out, else per head
@@ -551,7 +573,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
         f(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
           v_cache.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), btp + s * bt_width,
           qsp[s], qlp[s], cxp[s], h0, h0 + per_job, hkv, group, q.stride(0), q.stride(1),
-          block_size, static_cast<float>(scale), qb, scores, acc);
+          block_size, static_cast<float>(scale), tree, qb, scores, acc);
       }
     });
     return;
@@ -566,7 +588,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                              v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                              btp + s * bt_width, qsp[s], qlp[s], cxp[s], job % hkv, hkv, group,
                              d, q.stride(0), q.stride(1), block_size,
-                             static_cast<float>(scale), qf, scores, acc);
+                             static_cast<float>(scale), tree, qf, scores, acc);
       }
     });
   });
@@ -1123,6 +1145,7 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
                        const std::optional<at::Tensor>& short_start,
                        const std::optional<at::Tensor>& short_lens,
                        const std::optional<at::Tensor>& short_context,
+                       const std::optional<at::Tensor>& short_tree,
                        const std::optional<at::Tensor>& long_table,
                        const std::optional<at::Tensor>& long_start,
                        const std::optional<at::Tensor>& long_lens,
@@ -1152,7 +1175,7 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
     at::Tensor attn = at::empty({tokens, q_size}, qkv.options());
     if (short_table.has_value())
       paged_attention(attn, q, k_cache, v_cache, *short_table, *short_start, *short_lens,
-                      *short_context, block_size, scale);
+                      *short_context, block_size, scale, short_tree);
     if (long_table.has_value())
       prefill_attention(attn, q, k_cache, v_cache, *long_table, *long_start, *long_lens,
                         *long_context, block_size, scale);
@@ -1177,7 +1200,7 @@ TORCH_LIBRARY(kiln, m) {
         "Tensor slot_mapping) -> ()", &write_kv);
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_table, Tensor query_start, Tensor query_lens, Tensor context_lens, "
-        "int block_size, float scale) -> ()", &paged_attention);
+        "int block_size, float scale, Tensor? tree_mask=None) -> ()", &paged_attention);
   m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_table, Tensor query_start, Tensor query_lens, Tensor context_lens, "
         "int block_size, float scale) -> ()", &prefill_attention);
@@ -1190,7 +1213,8 @@ TORCH_LIBRARY(kiln, m) {
         "Tensor[] qkv_scale, Tensor[] o_scale, Tensor[] gate_up_scale, Tensor[] down_scale, "
         "Tensor final_norm, Tensor cos32, Tensor sin32, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor? short_table, Tensor? short_start, Tensor? short_lens, "
-        "Tensor? short_context, Tensor? long_table, Tensor? long_start, Tensor? long_lens, "
-        "Tensor? long_context, int block_size, float scale, float eps, int num_heads, "
+        "Tensor? short_context, Tensor? short_tree, Tensor? long_table, Tensor? long_start, "
+        "Tensor? long_lens, Tensor? long_context, int block_size, float scale, float eps, "
+        "int num_heads, "
         "int num_kv_heads, int head_dim, bool plain_bf16) -> Tensor", &llama_stack);
 }
