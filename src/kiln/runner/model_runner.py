@@ -169,7 +169,7 @@ class ModelRunner:
                 row_dst.append(q_start + root + 1 + j)
         if not src:
             return
-        src_t, dst_t = torch.tensor(src), torch.tensor(dst)  # each dst < its src: no overlap
+        src_t, dst_t = torch.tensor(src), torch.tensor(dst)  # gathered, then written
         for k, v in self.kv_caches:
             k[dst_t] = k[src_t]
             v[dst_t] = v[src_t]
