@@ -46,7 +46,8 @@ from kiln.spec.resolve import speculators_home
 
 CONFIGS = {"off": None, "ngram": "ngram", "draft": "code-draft", "code-head": "code-head",
            "prose-head": "prose-head", "code-head+ng": "code-head", "prose-head+ng": "prose-head",
-           "ngram-tree": "ngram", "code-head+ngt": "code-head", "prose-head+ngt": "prose-head"}
+           "ngram-tree": "ngram", "code-head-tree": "code-head", "prose-head-tree": "prose-head",
+           "code-head+ngt": "code-head", "prose-head+ngt": "prose-head"}
 # "+ng": SpeculativeConfig(ngram_first=True), an n-gram match's drafts where the text has one;
 # "-tree" and "+ngt": lookup drafts trees of --tree-width continuations (not in the default
 # set: `--configs off ngram ngram-tree`)

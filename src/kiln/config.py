@@ -198,8 +198,12 @@ class SpeculativeConfig:
     speculator_int8: bool = True  # head/draft: int8 weight-only linears, decode-sized inputs
     # draft trees: up to this many alternative continuations per request and step, verified
     # in one forward (n-gram: several earlier occurrences' continuations, merged by common
-    # prefix); 1 = one chain of drafts
+    # prefix; head: its top first drafts, each continued); 1 = one chain of drafts
     tree_width: int = 1
+    # trees only in steps where at most this many sequences decode (chains above): at small
+    # batches a step's cost hardly grows with its query tokens, at larger ones a tree's
+    # extra tokens cost more than they bring (BENCHMARKS.md, draft trees)
+    tree_max_batch: int = 1
 
     def __post_init__(self):
         if not self.method:
@@ -215,6 +219,8 @@ class SpeculativeConfig:
         if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
             raise ValueError(f"tree_width must be in [1, {MAX_TREE_WIDTH}], got "
                              f"{self.tree_width}")
+        if self.tree_max_batch < 1:
+            raise ValueError(f"tree_max_batch must be >= 1, got {self.tree_max_batch}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
 

@@ -128,7 +128,7 @@ def test_draft_trees_fuse_with_the_same_bits(tiny_ckpt, monkeypatch):
     import kiln.runner.batch as batch
     from kiln.config import SpeculativeConfig
 
-    spec = SpeculativeConfig(adaptive=False, tree_width=3)
+    spec = SpeculativeConfig(adaptive=False, tree_width=3, tree_max_batch=8)
     fused_llm = tiny_llm(tiny_ckpt, speculator="ngram", speculative_config=spec)
     if not llama.stack_weights(fused_llm.engine.runner.model):
         pytest.skip("this machine's model is not on the fast path")

@@ -519,7 +519,8 @@ def test_ngram_trees_are_lossless_and_draft_several_continuations(reference, lla
     _, ps, params, expected = reference
     llm = LLM(llama_path, dtype="float32", num_threads=1, max_num_batched_tokens=48,
               speculator="ngram",
-              speculative_config=SpeculativeConfig(adaptive=False, tree_width=3))
+              speculative_config=SpeculativeConfig(adaptive=False, tree_width=3,
+                                                   tree_max_batch=8))
     outs = llm.generate(ps, params, use_tqdm=False)
     assert ids(outs) == expected
     metrics = [o.metrics for o in outs if o.metrics]
@@ -608,6 +609,12 @@ def test_head_trees_are_lossless(ngram_first, reference, llama_path, head_path, 
         item.draft_parents) or real(item, *a))
     llm = LLM(llama_path, dtype="float32", num_threads=1, max_num_batched_tokens=48,
               speculator=head_path, speculative_config=SpeculativeConfig(
-                  adaptive=False, tree_width=2, ngram_first=ngram_first))
+                  adaptive=False, tree_width=2, ngram_first=ngram_first, tree_max_batch=2))
+    widths = []
+    real_width = llm.engine.speculator._width
+    llm.engine.speculator._width = lambda batch: widths.append(
+        (batch, real_width(batch))) or widths[-1][1]
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
     assert [-1, 0, 1, -1, 3, 4] in trees  # two branches of three
+    # trees while at most tree_max_batch sequences decode, chains in the full batch
+    assert {(b > 2, w) for b, w in widths} == {(True, 1), (False, 2)}

@@ -121,8 +121,6 @@ class HeadProposer:
         self.pending: dict[str, _Pending] = {}
         self.drafted: set[str] = set()  # requests the head has drafted for
         self.rounds = 0
-        self.width = config.tree_width  # > 1: the head's top `width` first drafts, each
-        # continued as a chain (a tree of `width` branches)
         runner.keep_hidden = True
 
     @torch.inference_mode()
@@ -230,7 +228,8 @@ class HeadProposer:
         ctx_len = torch.tensor([r[1] for r in rows])
         tables = torch.stack([r[2] for r in rows])
         k = max(wanted[i].max_drafts for i in live)
-        width = self.width
+        # tree_width > 1: the head's top `width` first drafts, each continued as a chain
+        width = max(wanted[i].tree_width for i in live)
         token = self._pick(h, width).reshape(-1)  # [B * width]: each row's branches in turn
         if width > 1:
             h, ctx_len = h.repeat_interleave(width, 0), ctx_len.repeat_interleave(width)

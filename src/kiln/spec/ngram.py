@@ -102,14 +102,12 @@ class _Trie:
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig, ctx: ProposerContext | None = None):
         self.n_min, self.n_max = config.ngram_min, config.ngram_max
-        self.width = config.tree_width
 
     def propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]) -> list[Draft]:
-        if self.width > 1:
-            return [ngram_tree(np.asarray(w.request.all_token_ids), w.max_drafts, self.n_min,
-                               self.n_max, self.width)[0] for w in wanted]
-        return [Draft(propose_ngram(np.asarray(w.request.all_token_ids), w.max_drafts,
-                                    self.n_min, self.n_max)) for w in wanted]
+        return [ngram_tree(np.asarray(w.request.all_token_ids), w.max_drafts, self.n_min,
+                           self.n_max, w.tree_width)[0] if w.tree_width > 1
+                else Draft(propose_ngram(np.asarray(w.request.all_token_ids), w.max_drafts,
+                                         self.n_min, self.n_max)) for w in wanted]
 
     def release(self, request_ids: list[str]) -> None:
         pass

@@ -45,6 +45,7 @@ class DraftRequest:
 
     request: Request
     max_drafts: int  # >= 1: the adaptive k, capped by max_tokens and max_model_len
+    tree_width: int = 1  # > 1: a tree of up to this many continuations is welcome
 
 
 @dataclass

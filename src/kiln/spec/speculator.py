@@ -93,7 +93,9 @@ class Speculator:
         if self.lookup is None:
             k = (self.adaptive.choose(len(candidates), [r.request_id for r in candidates])
                  if candidates else 0)
-            wanted = [DraftRequest(r, n) for r in candidates if (n := self._cap(r, k)) > 0]
+            width = self._width(len(candidates))
+            wanted = [DraftRequest(r, n, width) for r in candidates
+                      if (n := self._cap(r, k)) > 0]
             drafts = self.proposer.propose(sched, wanted)
             sources, planned = [self.adaptive] * len(wanted), (self.adaptive, k)
         else:
@@ -112,8 +114,8 @@ class Speculator:
         follow the target). Returns the wanted drafts, the drafts, each one's controller, and
         (controller, k) the step's cost is booked to: the proposer's when it drafted (its
         time is in the step), else lookup's."""
-        batch = len(candidates)
-        found = [self._lookup(r) for r in candidates]
+        batch, width = len(candidates), self._width(len(candidates))
+        found = [self._lookup(r, width) for r in candidates]
         pays = [bool(f.token_ids) and self._lookup_pays(batch, n, r.request_id)
                 for r, (f, n) in zip(candidates, found, strict=True)]
         rest = [r for r, p in zip(candidates, pays, strict=True) if not p]
@@ -123,7 +125,8 @@ class Speculator:
                    if f.token_ids and (p or not k_model)]
         k_lookup = (self.lookup.choose(batch, [r.request_id for r, _, _ in matched])
                     if matched else 0)
-        to_model = [DraftRequest(r, n) for r in rest if (n := self._cap(r, k_model)) > 0]
+        to_model = [DraftRequest(r, n, width) for r in rest
+                    if (n := self._cap(r, k_model)) > 0]
         model_drafts = self.proposer.propose(sched, to_model)
         to_lookup = [DraftRequest(r, self._cap(r, k_lookup)) for r, _, _ in matched if k_lookup]
         wanted = to_model + to_lookup
@@ -139,13 +142,19 @@ class Speculator:
                    else (self.lookup, k_lookup))
         return wanted, drafts, sources, planned
 
-    def _lookup(self, request: Request) -> tuple[Draft, int]:
-        """Lookup's drafts for a request (a tree with `tree_width` > 1) and the length of
-        the suffix they matched (0: none)."""
+    def _width(self, batch: int) -> int:
+        """Continuations per request this step: `tree_width` while at most `tree_max_batch`
+        sequences decode, else 1 (chains)."""
+        c = self.config
+        return c.tree_width if batch <= c.tree_max_batch else 1
+
+    def _lookup(self, request: Request, width: int) -> tuple[Draft, int]:
+        """Lookup's drafts for a request (a tree with width > 1) and the length of the
+        suffix they matched (0: none)."""
         c, tokens = self.config, np.asarray(request.all_token_ids)
         k = self._cap(request, c.num_speculative_tokens)
-        if c.tree_width > 1:
-            return ngram_tree(tokens, k, c.ngram_min, c.ngram_max, c.tree_width)
+        if width > 1:
+            return ngram_tree(tokens, k, c.ngram_min, c.ngram_max, width)
         chain, n = ngram_match(tokens, k, c.ngram_min, c.ngram_max)
         return Draft(chain), n
 
