@@ -220,3 +220,16 @@ def test_tree_masks_in_both_backends(dtype, hq, hkv):
         expected = tree_attention_reference(q, run_cache, layout, bs, scale)
         torch.testing.assert_close(out.float(), expected, atol=TOL[dtype] * 5,
                                    rtol=TOL[dtype] * 5)
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load():
+    """torch's build lock is a plain file; a process killed mid-build leaves it, and torch
+    would wait for it forever. kiln holds an flock around the build and clears it."""
+    import subprocess
+    import sys
+
+    stale = cpu_ops.build_directory() / "lock"
+    stale.touch()
+    done = subprocess.run([sys.executable, "-c", "from kiln.runner import cpu_ops; "
+                           "raise SystemExit(0 if cpu_ops.load() else 1)"], timeout=600)
+    assert done.returncode == 0 and not stale.exists()

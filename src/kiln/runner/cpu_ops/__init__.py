@@ -8,9 +8,11 @@ False: callers then use the plain torch reference path, which every kernel is te
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -21,16 +23,37 @@ _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
 
+SOURCE = Path(__file__).with_name("kernels.cpp").resolve()
+FLAGS = ["-O3", "-fopenmp", "-march=native", "-ffast-math", "-fno-finite-math-only"]
+
+
+def build_directory() -> Path:
+    """Where the kernels build: one directory per source file, content, flags, Python and
+    torch (two kiln checkouts on one machine, a CI clone beside a work tree, would otherwise
+    rebuild one directory in turn, ninja recording the source's path, and load each other's
+    library)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    key = "\0".join([str(SOURCE), " ".join(FLAGS), sys.version, torch.__version__])
+    digest = hashlib.sha256(key.encode() + SOURCE.read_bytes()).hexdigest()[:12]
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return root / "kiln" / f"kiln_cpu_ops_{digest}"
+
+
 def _build() -> None:
     from torch.utils.cpp_extension import load
 
-    source = Path(__file__).with_name("kernels.cpp")
-    flags = ["-O3", "-fopenmp", "-march=native", "-ffast-math", "-fno-finite-math-only"]
-    # named by the source's hash: two kiln checkouts on one machine (a CI clone beside a work
-    # tree) would otherwise rebuild one build directory in turn and load each other's library
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
-    load(name=f"kiln_cpu_ops_{digest}", sources=[str(source)], extra_cflags=flags,
-         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    build_dir = build_directory()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "kiln.lock", "w") as held:
+        # torch's own build lock is a plain file: a build killed midway leaves it behind and
+        # every later process waits for it forever. An flock dies with its process, so once
+        # we hold ours, any torch lock file there is stale
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        load(name=build_dir.name, sources=[str(SOURCE)], extra_cflags=FLAGS,
+             extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+             is_python_module=False, verbose=False)
 
 
 def load() -> bool:
