@@ -421,6 +421,21 @@ def exact_pairs(llm, prompt: list[int], top_k: int, temperature: float) -> dict:
             for b, pb in dist(prompt + [a]).items()}
 
 
+def assert_sampled_like(spec, prompt: list[int], exact: dict, top_k: int, temperature: float,
+                        n: int) -> None:
+    """n seeded samples of 4 tokens: the frequencies of their leading tuples (the length of
+    `exact`'s keys) pass a chi-square test against `exact`."""
+    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=4, seed=i,
+                             ignore_eos=True) for i in range(n)]
+    outs = spec.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    length = len(next(iter(exact)))
+    counts = {key: 0 for key in exact}
+    for o in outs:
+        counts[tuple(o.outputs[0].token_ids[:length])] += 1
+    stat = sum((counts[t] - n * q) ** 2 / (n * q) for t, q in exact.items())
+    assert stat < CHI2_999[len(exact) - 1], (counts, exact)
+
+
 @pytest.mark.parametrize("proposer", ["draft", "test-sampled"])
 def test_sampled_outputs_keep_the_target_distribution(proposer, reference, llama_path,
                                                       draft_path):
@@ -433,14 +448,7 @@ def test_sampled_outputs_keep_the_target_distribution(proposer, reference, llama
     spec = LLM(llama_path, dtype="float32", num_threads=1, max_num_seqs=256,
                speculator=draft_path if proposer == "draft" else None,
                speculative_config=config)
-    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=4, seed=i,
-                             ignore_eos=True) for i in range(n)]
-    outs = spec.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
-    counts = {pair: 0 for pair in exact}
-    for o in outs:
-        counts[tuple(o.outputs[0].token_ids[:2])] += 1
-    stat = sum((counts[p] - n * q) ** 2 / (n * q) for p, q in exact.items())
-    assert stat < CHI2_999[len(exact) - 1], (counts, exact)
+    assert_sampled_like(spec, prompt, exact, top_k, temperature, n)
     stats = spec.engine.speculator.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both paths taken
 
@@ -583,14 +591,7 @@ def test_sampled_outputs_keep_the_target_distribution_with_trees(reference, llam
             LIKELY[tuple(prompt) + (a, b)] = sorted({c for x, c in after if x == b})
     spec = LLM(llama_path, dtype="float32", num_threads=1, max_num_seqs=256,
                speculative_config=SpeculativeConfig(method="test-tree-sampled", adaptive=False))
-    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=4, seed=i,
-                             ignore_eos=True) for i in range(n)]
-    outs = spec.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
-    counts = {triple: 0 for triple in exact}
-    for o in outs:
-        counts[tuple(o.outputs[0].token_ids[:3])] += 1
-    stat = sum((counts[t] - n * q) ** 2 / (n * q) for t, q in exact.items())
-    assert stat < CHI2_999[len(exact) - 1], (counts, exact)
+    assert_sampled_like(spec, prompt, exact, top_k, temperature, n)
     stats = spec.engine.speculator.stats
     assert stats.num_accepted_tokens > n  # mostly accepted: the trees hold likely tokens
     assert stats.num_draft_tokens > 3 * stats.num_verify_steps
