@@ -70,6 +70,10 @@ class Request:
         self.grammar = None  # TokenConstraint
         self.guard = None  # GuardState
 
+    def clear_drafts(self) -> None:
+        """Forget the unverified drafts (after verification or a preemption)."""
+        self.spec_token_ids, self.spec_draft_probs, self.spec_parents = [], None, None
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

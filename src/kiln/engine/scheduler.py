@@ -60,12 +60,12 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-def tree_depth(parents: list[int]) -> int:
-    """Depth of a draft tree given each draft's parent (-1 = root; parents come first)."""
-    depth: list[int] = []
+def tree_depths(parents: list[int]) -> list[int]:
+    """Each draft's depth in a tree given its parent (-1 = the root; parents come first)."""
+    depths: list[int] = []
     for parent in parents:
-        depth.append(1 if parent < 0 else depth[parent] + 1)
-    return max(depth, default=0)
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
 
 
 class Scheduler:
@@ -167,7 +167,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.spec_token_ids, request.spec_draft_probs, request.spec_parents = [], None, None
+        request.clear_drafts()
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(request)
@@ -259,7 +259,7 @@ class Scheduler:
             rejected = item.num_draft_tokens + 1 - len(sampled)
             request.num_computed_tokens -= rejected
             self.kv.trim(request, request.num_computed_tokens + 1)
-        request.spec_token_ids, request.spec_draft_probs, request.spec_parents = [], None, None
+        request.clear_drafts()
         new_tokens: list[int] = []
         redrawn = False
         for token in sampled:
@@ -279,7 +279,7 @@ class Scheduler:
             num_cached_tokens=request.num_cached_tokens or 0,
             num_draft_tokens=item.num_draft_tokens,
             num_accepted_tokens=max(0, len(sampled) - 1) if item.num_draft_tokens else 0,
-            draft_depth=tree_depth(item.draft_parents) if item.draft_parents else 0,
+            draft_depth=max(tree_depths(item.draft_parents)) if item.draft_parents else 0,
             num_redraws=int(redrawn))
 
     def _resample_last(self, request: Request) -> None:

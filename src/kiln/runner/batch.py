@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.engine.scheduler import SchedulerOutput
+from kiln.engine.scheduler import SchedulerOutput, tree_depths
 from kiln.runner.attention import SeqLayout
 
 
@@ -85,14 +85,13 @@ def _place_tree(item, q_start: int, positions: torch.Tensor, tree_mask: torch.Te
     if n > MAX_TREE_QUERY:
         raise ValueError(f"a draft tree's query has {n} tokens; at most {MAX_TREE_QUERY}")
     root = n - 1 - d  # local index of the last known token
+    parents = item.draft_parents[:d]
     known = (1 << (root + 1)) - 1
-    bits, depth = [], []
-    for i, parent in enumerate(item.draft_parents[:d]):
-        up_bits, up_depth = (known, 0) if parent < 0 else (bits[parent], depth[parent])
-        bits.append(up_bits | 1 << (root + 1 + i))
-        depth.append(up_depth + 1)
+    bits: list[int] = []
+    for i, parent in enumerate(parents):
+        bits.append((known if parent < 0 else bits[parent]) | 1 << (root + 1 + i))
     at = q_start + root + 1
-    positions[at:at + d] = item.start_pos + root + torch.tensor(depth)
+    positions[at:at + d] = item.start_pos + root + torch.tensor(tree_depths(parents))
     tree_mask[at:at + d] = torch.tensor(bits)
 
 

@@ -232,7 +232,6 @@ class ModelRunner:
                                 item.params.prompt_logprobs or 0)
 
 
-
 def _draft_history(drafts: list[int], parents: list[int] | None, row: int) -> list[int]:
     """The drafts before sampling row `row` (row 0: none): a chain's first `row`, a tree's
     path from the root to draft row - 1."""

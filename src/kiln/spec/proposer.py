@@ -63,15 +63,15 @@ class Draft:
         if self.parents is None:
             n = min(depth, size)
             return Draft(self.token_ids[:n], None if self.probs is None else self.probs[:n])
-        index, tokens, parents, depths = {}, [], [], []
-        for i, (token, parent) in enumerate(zip(self.token_ids, self.parents, strict=True)):
-            d = 1 if parent < 0 else depths[index[parent]] + 1 if parent in index else depth + 1
-            if d > depth or len(tokens) >= size:
-                continue
-            index[i] = len(tokens)
-            tokens.append(token)
-            parents.append(-1 if parent < 0 else index[parent])
-            depths.append(d)
+        from kiln.engine.scheduler import tree_depths
+
+        index, tokens, parents = {-1: -1}, [], []  # kept node -> its new index
+        for i, (token, parent, d) in enumerate(zip(self.token_ids, self.parents,
+                                                   tree_depths(self.parents), strict=True)):
+            if d <= depth and len(tokens) < size and parent in index:
+                index[i] = len(tokens)
+                tokens.append(token)
+                parents.append(index[parent])
         if all(p == i - 1 for i, p in enumerate(parents)):
             return Draft(tokens)
         return Draft(tokens, None, parents)

@@ -1215,6 +1215,6 @@ TORCH_LIBRARY(kiln, m) {
         "Tensor slot_mapping, Tensor? short_table, Tensor? short_start, Tensor? short_lens, "
         "Tensor? short_context, Tensor? short_tree, Tensor? long_table, Tensor? long_start, "
         "Tensor? long_lens, Tensor? long_context, int block_size, float scale, float eps, "
-        "int num_heads, "
-        "int num_kv_heads, int head_dim, bool plain_bf16) -> Tensor", &llama_stack);
+        "int num_heads, int num_kv_heads, int head_dim, bool plain_bf16) -> Tensor",
+        &llama_stack);
 }
