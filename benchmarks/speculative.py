@@ -208,12 +208,16 @@ def main() -> int:
     parser.add_argument("--tree-width", type=int, default=3,
                         help="continuations per draft tree in the -tree and +ngt configs")
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
+    parser.add_argument("--batches", nargs="+", default=list(BATCHES), choices=BATCHES,
+                        help="which cases to run (default: all)")
+    parser.add_argument("--domains", nargs="+", default=["code", "prose"],
+                        choices=["code", "prose"])
     parser.add_argument("--out", default="speculative-results.json")
     args = parser.parse_args()
     llms = {n: llm for n in args.configs if (llm := build(n, CONFIGS[n], args)) is not None}
     tok = next(iter(llms.values())).get_tokenizer()
-    prompts = {"code": code_prompts(tok, 16, args.prompt_tokens),
-               "prose": prose_prompts(tok, 16, args.prompt_tokens)}
+    make = {"code": code_prompts, "prose": prose_prompts}
+    prompts = {d: make[d](tok, 16, args.prompt_tokens) for d in args.domains}
     runs: dict[tuple, list[Run]] = {}
     run_log: list[dict] = []
     for rep in range(args.reps + 1):  # rep 0 warms every configuration up
@@ -221,6 +225,8 @@ def main() -> int:
         random.Random(rep).shuffle(order)
         tokens = args.max_tokens if rep else args.warmup_tokens
         for domain, batch, measure in cases(prompts, args.batch1_prompts, tokens):
+            if batch not in args.batches:
+                continue
             for name in order:
                 parts = measure(llms[name])
                 run = Run(*(sum(getattr(p, f) for p in parts) for f in Run.__dataclass_fields__))
@@ -243,8 +249,8 @@ def paired(runs: list[Run], base: list[Run], field: str) -> float:
 
 def report(runs: dict[tuple, list[Run]], names: list[str], args, run_log: list[dict]) -> None:
     rows = []
-    for domain in ("code", "prose"):
-        for batch in BATCHES:
+    for domain in args.domains:
+        for batch in args.batches:
             base = runs[("off", domain, batch)]
             for name in names:
                 rs = runs[(name, domain, batch)]

@@ -198,7 +198,8 @@ class SpeculativeConfig:
     speculator_int8: bool = True  # head/draft: int8 weight-only linears, decode-sized inputs
     # draft trees: up to this many alternative continuations per request and step, verified
     # in one forward (n-gram: several earlier occurrences' continuations, merged by common
-    # prefix; head: its top first drafts, each continued); 1 = one chain of drafts
+    # prefix; head: a beam search this wide, its k * width likeliest nodes; with
+    # ngram_first, lookup's and the head's merged into one tree); 1 = one chain of drafts
     tree_width: int = 1
     # trees only in steps where at most this many sequences decode (chains above): at small
     # batches a step's cost hardly grows with its query tokens, at larger ones a tree's

@@ -14,6 +14,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.config import SpeculativeConfig
+from kiln.engine.scheduler import tree_depths
 from kiln.spec.proposer import Draft, register_proposer
 
 FORCED = SpeculativeConfig(adaptive=False)  # always k = 3: every path gets exercised
@@ -599,8 +600,8 @@ def test_sampled_outputs_keep_the_target_distribution_with_trees(reference, llam
 
 @pytest.mark.parametrize("ngram_first", [False, True])
 def test_head_trees_are_lossless(ngram_first, reference, llama_path, head_path, monkeypatch):
-    """The head's top-2 first drafts, each continued as a chain (and lookup trees beside it
-    with ngram_first): greedy output unchanged, both branches verified."""
+    """The head's dynamic trees (and with ngram_first, lookup's continuations merged into
+    them): greedy output unchanged, branching trees verified."""
     import kiln.runner.batch as batch
 
     _, ps, params, expected = reference
@@ -616,6 +617,54 @@ def test_head_trees_are_lossless(ngram_first, reference, llama_path, head_path, 
     llm.engine.speculator._width = lambda batch: widths.append(
         (batch, real_width(batch))) or widths[-1][1]
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
-    assert [-1, 0, 1, -1, 3, 4] in trees  # two branches of three
+    assert any(t.count(-1) == 2 for t in trees)  # the head's two first drafts
+    assert all(max(tree_depths(t)) <= 3 for t in trees)
+    sizes = {len(t) for t in trees}
+    # the head's 3 * 2 likeliest nodes; merged with lookup's continuations, more
+    assert (max(sizes) > 6) if ngram_first else (max(sizes) == 6)
     # trees while at most tree_max_batch sequences decode, chains in the full batch
     assert {(b > 2, w) for b, w in widths} == {(True, 1), (False, 2)}
+
+
+def test_head_tree_is_its_beam_search(reference, llama_path, head_path):
+    """The head's tree nodes are the beam search they claim to be: each node's score is its
+    path's log-likelihood found by running the head along that path alone (its own chain
+    attention, one token at a time), and the nodes are the children of the `width` likeliest
+    paths at each depth (the rows batched over the beams attend each one's own ancestors)."""
+    _, ps, params, _ = reference
+    llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
+              speculative_config=SpeculativeConfig(adaptive=False, tree_width=3))
+    proposer = llm.engine.speculator.proposer
+    real, checked = proposer._tree_nodes, []
+
+    def path_scores(h, ctx_len, tables, depth, width) -> dict[tuple, float]:
+        def top_after(path):  # the head along `path` alone, from the root's h
+            chain, x = proposer._chain(ctx_len[:1], tables[:1]), h[:1]
+            for j, t in enumerate(path):
+                x = proposer.head(x, proposer.embed(torch.tensor([t])),
+                                  *proposer._rope(ctx_len[:1] + j), chain)
+            logp, tokens = proposer._top(x, width)
+            return zip(logp[0].tolist(), tokens[0].tolist(), strict=True)
+
+        frontier, scores = [((), 0.0)], {}
+        for _ in range(depth):
+            expanded = [(path + (t,), s + lp) for path, s in frontier
+                        for lp, t in top_after(path)]
+            scores.update(expanded)
+            frontier = sorted(expanded, key=lambda c: -c[1])[:width]
+        return scores
+
+    def tree_nodes(h, ctx_len, tables, depth, width):
+        out = real(h, ctx_len, tables, depth, width)
+        scores = path_scores(h, ctx_len, tables, depth, width)
+        paths = []
+        for score, _, token, parent in out[0]:
+            paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+            assert score == pytest.approx(scores[paths[-1]], abs=1e-4)
+        assert set(paths) == set(scores)  # the same nodes expanded
+        checked.append(depth)
+        return out
+
+    proposer._tree_nodes = tree_nodes
+    llm.generate(ps[:1], params[:1], use_tqdm=False)
+    assert 3 in checked and len(checked) > 3

@@ -10,7 +10,7 @@ import pytest
 from kiln.config import SpeculativeConfig
 from kiln.spec.adaptive import AdaptiveK, batch_bucket
 from kiln.spec.ngram import ngram_match, ngram_tree, propose_ngram
-from kiln.spec.proposer import Draft
+from kiln.spec.proposer import Draft, DraftTrie
 from kiln.spec.resolve import resolve_speculative_config
 
 
@@ -272,3 +272,27 @@ def test_draft_limits_keep_a_tree_closed_under_parents():
     assert tree.limit(3, 4) == Draft([7, 8, 1, 9], None, [-1, 0, 1, -1])
     assert tree.limit(3, 3) == Draft([7, 8, 1])  # what is left is a chain
     assert Draft([5, 6, 7]).limit(2, 15) == Draft([5, 6])
+
+
+def test_draft_trie_merges_trees_by_common_prefix():
+    trie = DraftTrie(15)
+    trie.add_draft(Draft([7, 8, 1]))  # lookup's chain first
+    # a head tree: 7 -> {8 -> 2, 5}, 9 -> 1: its 7 8 is lookup's, the rest is new
+    trie.add_draft(Draft([7, 9, 8, 5, 1, 2], None, [-1, -1, 0, 0, 1, 2]))
+    assert trie.draft() == Draft([7, 8, 1, 9, 5, 1, 2], None, [-1, 0, 1, -1, 0, 3, 1])
+    small = DraftTrie(4)
+    small.add_draft(Draft([7, 8, 1]))
+    small.add_draft(Draft([7, 9, 8, 5], None, [-1, -1, 0, 0]))  # full after 9: 8 and 5 wait
+    assert small.draft() == Draft([7, 8, 1, 9], None, [-1, 0, 1, -1])
+
+
+def test_head_tree_keeps_its_likeliest_nodes_likeliest_first():
+    from kiln.spec.head import _best_nodes
+
+    # (log-likelihood, depth, token, parent) as the beam search expands them
+    nodes = [(-0.1, 1, 10, -1), (-2.0, 1, 11, -1),  # depth 1
+             (-0.3, 2, 20, 0), (-1.5, 2, 21, 0), (-2.5, 2, 22, 1), (-3.0, 2, 23, 1),
+             (-0.3, 3, 30, 2), (-0.9, 3, 31, 2), (-1.6, 3, 32, 3), (-4.0, 3, 33, 3)]
+    # the 5 likeliest: 10, then 20 and its child 30 (a tie: the shallower first), 31, 21
+    assert _best_nodes(nodes, 5) == Draft([10, 20, 30, 31, 21], None, [-1, 0, 1, 1, 0])
+    assert _best_nodes(nodes, 3) == Draft([10, 20, 30], None, [-1, 0, 1])

@@ -163,6 +163,12 @@ class ChainAttention:
         self.valid = ctx_valid  # [B, Kctx] bool
         self.scale = scale
 
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Row i continues row rows[i] (a beam search keeps its best rows): its earlier draft
+        keys become that row's (the context keys are the same within a sequence's rows)."""
+        self.keys[1:] = [k[rows] for k in self.keys[1:]]
+        self.values[1:] = [v[rows] for v in self.values[1:]]
+
     def __call__(self, q, k, v) -> torch.Tensor:
         self.keys.append(k[:, None])
         self.values.append(v[:, None])

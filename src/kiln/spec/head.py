@@ -228,12 +228,12 @@ class HeadProposer:
         ctx_len = torch.tensor([r[1] for r in rows])
         tables = torch.stack([r[2] for r in rows])
         k = max(wanted[i].max_drafts for i in live)
-        # tree_width > 1: the head's top `width` first drafts, each continued as a chain
         width = max(wanted[i].tree_width for i in live)
-        token = self._pick(h, width).reshape(-1)  # [B * width]: each row's branches in turn
         if width > 1:
-            h, ctx_len = h.repeat_interleave(width, 0), ctx_len.repeat_interleave(width)
-            tables = tables.repeat_interleave(width, 0)
+            for i, tree in zip(live, self._tree(h, ctx_len, tables, k, width), strict=True):
+                out[i] = tree
+            return out
+        token = self._pick(h)
         drafts = [token]
         if k > 1:
             chain = self._chain(ctx_len, tables)
@@ -241,26 +241,67 @@ class HeadProposer:
                 h = self.head(h, self.embed(token), *self._rope(ctx_len + j), chain)
                 token = self._pick(h)
                 drafts.append(token)
-        table = torch.stack(drafts, dim=1).view(len(live), width, k).tolist()
+        table = torch.stack(drafts, dim=1).tolist()
         for b, i in enumerate(live):
-            if width == 1:
-                out[i] = Draft(table[b][0][:wanted[i].max_drafts])
-                continue
-            # branch after branch, each a chain: node c * k + j follows c * k + j - 1
-            parents = [-1 if j == 0 else c * k + j - 1 for c in range(width) for j in range(k)]
-            out[i] = Draft([t for branch in table[b] for t in branch], None, parents)
+            out[i] = Draft(table[b][:wanted[i].max_drafts])
         return out
+
+    def _tree(self, h, ctx_len, tables, depth: int, width: int) -> list[Draft]:
+        return [_best_nodes(n, depth * width)
+                for n in self._tree_nodes(h, ctx_len, tables, depth, width)]
+
+    def _tree_nodes(self, h, ctx_len, tables, depth: int, width: int) -> list[list[tuple]]:
+        """EAGLE-2's dynamic draft tree, per sequence: a beam search `width` rows wide over
+        `depth` draft steps (each step expands the `width` likeliest paths so far by their
+        `width` likeliest next tokens), then the depth * width likeliest of all expanded
+        nodes, a path's likelihood being the product of the head's probabilities along it.
+        The tree grows where the head is sure and branches where it is not: the nodes kept
+        are the ones most likely to be accepted, whatever their depth."""
+        b = len(h)
+        logp, token = self._top(h, width)  # [B, W]: the first drafts
+        # per sequence: nodes (log-likelihood, depth, token, parent), the beams' node ids
+        nodes = [[(s, 1, t, -1) for s, t in zip(ls, ts, strict=True)]
+                 for ls, ts in zip(logp.tolist(), token.tolist(), strict=True)]
+        beams = [list(range(width)) for _ in range(b)]
+        if depth > 1:
+            h = h.repeat_interleave(width, 0)
+            ctx_len, tables = ctx_len.repeat_interleave(width), tables.repeat_interleave(width, 0)
+            chain = self._chain(ctx_len, tables)
+            score, fed = logp, token.reshape(-1)
+            for d in range(2, depth + 1):
+                h = self.head(h, self.embed(fed), *self._rope(ctx_len + d - 2), chain)
+                child_logp, child = self._top(h, width)  # [B * W, W]
+                cand = (score.reshape(-1, 1) + child_logp).view(b, width * width)
+                child = child.view(b, width * width)
+                first = [len(n) for n in nodes]  # node id of each sequence's first candidate
+                for s, (ls, ts) in enumerate(zip(cand.tolist(), child.tolist(), strict=True)):
+                    nodes[s] += [(ls[c], d, ts[c], beams[s][c // width])
+                                 for c in range(width * width)]
+                if d == depth:
+                    break
+                best = cand.topk(width, dim=-1).indices  # [B, W] the next beams
+                rows = (torch.arange(b)[:, None] * width + best // width).reshape(-1)
+                h = h[rows]
+                chain.reorder(rows)
+                score, fed = cand.gather(1, best), child.gather(1, best).reshape(-1)
+                beams = [[first[s] + c for c in row] for s, row in enumerate(best.tolist())]
+        return nodes
 
     def _rope(self, positions: torch.Tensor):
         return self.cos[positions][:, None], self.sin[positions][:, None]
 
-    def _pick(self, h: torch.Tensor, width: int = 1) -> torch.Tensor:
-        """The head's choice per row ([B]), or its `width` best, best first ([B, width])."""
-        normed = self.ops.rms_norm(h, self.head.norm, self.head.c.rms_norm_eps)
-        logits = self.lm(normed)
-        if width == 1:
-            return self.head.draft_vocab[logits.argmax(dim=-1)]
-        return self.head.draft_vocab[logits.topk(width, dim=-1).indices]
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm(self.ops.rms_norm(h, self.head.norm, self.head.c.rms_norm_eps))
+
+    def _pick(self, h: torch.Tensor) -> torch.Tensor:
+        """The head's choice per row ([B])."""
+        return self.head.draft_vocab[self._logits(h).argmax(dim=-1)]
+
+    def _top(self, h: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's `width` likeliest tokens per row, best first, with their log-probabilities
+        (over the draft vocabulary): ([B, width] float32, [B, width] target ids)."""
+        logp, index = self._logits(h).float().log_softmax(dim=-1).topk(width, dim=-1)
+        return logp, self.head.draft_vocab[index]
 
     def _chain(self, ctx_len: torch.Tensor, tables: torch.Tensor) -> ChainAttention:
         """Gather each sequence's head KV of positions < ctx_len once per round."""
@@ -270,3 +311,14 @@ class HeadProposer:
         valid = pos[None, :] < ctx_len[:, None]
         slots = torch.where(valid, slots, 0)
         return ChainAttention(self.kv[0][slots], self.kv[1][slots], valid, self.scale)
+
+
+def _best_nodes(nodes: list[tuple[float, int, int, int]], size: int) -> Draft:
+    """The `size` likeliest of a tree's nodes (log-likelihood, depth, token, parent), as a
+    Draft: likeliest first, so every node comes after its parent (never likelier than it;
+    on a tie the shallower first) and each node's first child is its likeliest."""
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], nodes[i][1], i))[:size]
+    index = {-1: -1}
+    for i in order:
+        index[i] = len(index) - 1
+    return Draft([nodes[i][2] for i in order], None, [index[nodes[i][3]] for i in order])

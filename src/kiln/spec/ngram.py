@@ -20,7 +20,7 @@ import numpy as np
 
 from kiln.config import MAX_TREE_DRAFTS, SpeculativeConfig
 from kiln.engine.scheduler import SchedulerOutput
-from kiln.spec.proposer import Draft, DraftRequest, ProposerContext, register_proposer
+from kiln.spec.proposer import Draft, DraftRequest, DraftTrie, ProposerContext, register_proposer
 
 
 def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -51,7 +51,7 @@ def ngram_tree(tokens: np.ndarray, k: int, n_min: int, n_max: int, width: int,
     """A tree of up to `width` distinct continuations (at most k deep, `size` drafts),
     `propose_ngram`'s chain first; and the length of the suffix that chain matched."""
     chain, matched = ngram_match(tokens, k, n_min, n_max)
-    tree = _Trie(size)
+    tree = DraftTrie(size)
     tree.add(chain)
     total = len(tokens)
     for n in range(min(n_max, total - 1, matched), n_min - 1, -1):
@@ -64,38 +64,6 @@ def ngram_tree(tokens: np.ndarray, k: int, n_min: int, n_max: int, width: int,
             if tree.leaves >= width or tree.full:
                 break
     return tree.draft(), matched
-
-
-class _Trie:
-    """Draft continuations merged by common prefix, nodes in insertion order."""
-
-    def __init__(self, size: int):
-        self.size, self.tokens, self.parents = size, [], []
-        self.children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-        self.inner: set[int] = set()  # nodes with children (-1: the root)
-        self.leaves = 0
-
-    @property
-    def full(self) -> bool:
-        return len(self.tokens) >= self.size
-
-    def add(self, continuation: list[int]) -> None:
-        node = -1
-        for token in continuation:
-            child = self.children.get((node, token))
-            if child is None:
-                if self.full:
-                    return
-                # a leaf's first child takes its place as a leaf; any other child is a new one
-                self.leaves += int(node < 0 or node in self.inner)
-                self.inner.add(node)
-                child = self.children[(node, token)] = len(self.tokens)
-                self.tokens.append(token)
-                self.parents.append(node)
-            node = child
-
-    def draft(self) -> Draft:
-        return Draft(self.tokens, None, self.parents).limit(len(self.tokens), self.size)
 
 
 @register_proposer("ngram")

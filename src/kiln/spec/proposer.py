@@ -88,6 +88,54 @@ class Draft:
         return Draft(chain)
 
 
+class DraftTrie:
+    """Draft continuations (and trees) merged by common prefix, nodes in insertion order."""
+
+    def __init__(self, size: int):
+        self.size, self.tokens, self.parents = size, [], []
+        self.children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        self.inner: set[int] = set()  # nodes with children (-1: the root)
+        self.leaves = 0
+
+    @property
+    def full(self) -> bool:
+        return len(self.tokens) >= self.size
+
+    def add(self, continuation: list[int]) -> None:
+        node = -1
+        for token in continuation:
+            node = self._child(node, token)
+            if node is None:
+                return
+
+    def add_draft(self, draft: Draft) -> None:
+        """Every path of a chain or tree (a tree's nodes in order, so parents come first)."""
+        if draft.parents is None:
+            self.add(draft.token_ids)
+            return
+        mine = {-1: -1}  # the draft's node -> the trie's
+        for i, (token, parent) in enumerate(zip(draft.token_ids, draft.parents, strict=True)):
+            if parent in mine and (child := self._child(mine[parent], token)) is not None:
+                mine[i] = child
+
+    def _child(self, node: int, token: int) -> int | None:
+        """The child of `node` for `token`, added if new; None when new and the trie is full."""
+        child = self.children.get((node, token))
+        if child is None:
+            if self.full:
+                return None
+            # a leaf's first child takes its place as a leaf; any other child is a new one
+            self.leaves += int(node < 0 or node in self.inner)
+            self.inner.add(node)
+            child = self.children[(node, token)] = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(node)
+        return child
+
+    def draft(self) -> Draft:
+        return Draft(self.tokens, None, self.parents).limit(len(self.tokens), self.size)
+
+
 @dataclass
 class ProposerContext:
     """What a proposer may use of the engine it serves."""

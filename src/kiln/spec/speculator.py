@@ -32,7 +32,7 @@ from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.spec.adaptive import AdaptiveK
 from kiln.spec.ngram import ngram_match, ngram_tree
-from kiln.spec.proposer import Draft, DraftRequest, ProposerContext, build_proposer
+from kiln.spec.proposer import Draft, DraftRequest, DraftTrie, ProposerContext, build_proposer
 
 # (request, drafts) -> how many leading drafts to keep
 DraftFilter = Callable[[Request, list[int]], int]
@@ -115,6 +115,8 @@ class Speculator:
         (controller, k) the step's cost is booked to: the proposer's when it drafted (its
         time is in the step), else lookup's."""
         batch, width = len(candidates), self._width(len(candidates))
+        if width > 1:
+            return self._propose_merged(sched, candidates, width)
         found = [self._lookup(r, width) for r in candidates]
         pays = [bool(f.token_ids) and self._lookup_pays(batch, n, r.request_id)
                 for r, (f, n) in zip(candidates, found, strict=True)]
@@ -141,6 +143,22 @@ class Speculator:
         planned = ((self.adaptive, k_model) if to_model or not to_lookup
                    else (self.lookup, k_lookup))
         return wanted, drafts, sources, planned
+
+    def _propose_merged(self, sched: SchedulerOutput, candidates: list[Request], width: int):
+        """`ngram_first` in a tree step: one tree per request holding lookup's continuations
+        (first) and the proposer's, merged by common prefix, up to the proposer's k deep.
+        With a tree the two need not compete for the step: whichever is right is accepted,
+        and a step with few sequences verifies the extra drafts nearly for free."""
+        k = self.adaptive.choose(len(candidates), [r.request_id for r in candidates])
+        wanted = [DraftRequest(r, n, width) for r in candidates if (n := self._cap(r, k)) > 0]
+        drafts = []
+        for w, model in zip(wanted, self.proposer.propose(sched, wanted), strict=True):
+            tree = DraftTrie(MAX_TREE_DRAFTS)
+            tree.add_draft(self._lookup(w.request, width)[0].limit(w.max_drafts,
+                                                                   MAX_TREE_DRAFTS))
+            tree.add_draft(model)
+            drafts.append(tree.draft())
+        return wanted, drafts, [self.adaptive] * len(wanted), (self.adaptive, k)
 
     def _width(self, batch: int) -> int:
         """Continuations per request this step: `tree_width` while at most `tree_max_batch`
