@@ -199,8 +199,11 @@ class SpeculativeConfig:
     # draft trees: up to this many alternative continuations per request and step, verified
     # in one forward (n-gram: several earlier occurrences' continuations, merged by common
     # prefix; head: a beam search this wide, its k * width likeliest nodes; with
-    # ngram_first, lookup's and the head's merged into one tree); 1 = one chain of drafts
+    # ngram_first, a match passed over for the head joins its tree); 1 = one chain of drafts
     tree_width: int = 1
+    # most drafts in one tree (SGLang's --speculative-num-draft-tokens): a tree's first this
+    # many nodes (the head's likeliest; a merged tree's lookup continuations first)
+    tree_size: int = MAX_TREE_DRAFTS
     # trees only in steps where at most this many sequences decode (chains above): at small
     # batches a step's cost hardly grows with its query tokens, at larger ones a tree's
     # extra tokens cost more than they bring (BENCHMARKS.md, draft trees)
@@ -220,6 +223,9 @@ class SpeculativeConfig:
         if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
             raise ValueError(f"tree_width must be in [1, {MAX_TREE_WIDTH}], got "
                              f"{self.tree_width}")
+        if not 1 <= self.tree_size <= MAX_TREE_DRAFTS:
+            raise ValueError(f"tree_size must be in [1, {MAX_TREE_DRAFTS}], got "
+                             f"{self.tree_size}")
         if self.tree_max_batch < 1:
             raise ValueError(f"tree_max_batch must be >= 1, got {self.tree_max_batch}")
         if self.max_batch_size is not None and self.max_batch_size < 1:

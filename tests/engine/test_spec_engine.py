@@ -600,8 +600,9 @@ def test_sampled_outputs_keep_the_target_distribution_with_trees(reference, llam
 
 @pytest.mark.parametrize("ngram_first", [False, True])
 def test_head_trees_are_lossless(ngram_first, reference, llama_path, head_path, monkeypatch):
-    """The head's dynamic trees (and with ngram_first, lookup's continuations merged into
-    them): greedy output unchanged, branching trees verified."""
+    """The head's dynamic trees (and with ngram_first, lookup's trees where a match pays,
+    merged into the head's where one is passed over for it): greedy output unchanged,
+    branching trees verified."""
     import kiln.runner.batch as batch
 
     _, ps, params, expected = reference
@@ -612,6 +613,8 @@ def test_head_trees_are_lossless(ngram_first, reference, llama_path, head_path, 
     llm = LLM(llama_path, dtype="float32", num_threads=1, max_num_batched_tokens=48,
               speculator=head_path, speculative_config=SpeculativeConfig(
                   adaptive=False, tree_width=2, ngram_first=ngram_first, tree_max_batch=2))
+    if ngram_first:  # one-token matches go to the head (and join its tree), longer to lookup
+        llm.engine.speculator._lookup_pays = lambda batch, n, rid: n > 1
     widths = []
     real_width = llm.engine.speculator._width
     llm.engine.speculator._width = lambda batch: widths.append(
@@ -622,6 +625,7 @@ def test_head_trees_are_lossless(ngram_first, reference, llama_path, head_path, 
     sizes = {len(t) for t in trees}
     # the head's 3 * 2 likeliest nodes; merged with lookup's continuations, more
     assert (max(sizes) > 6) if ngram_first else (max(sizes) == 6)
+    assert not ngram_first or any(t.count(-1) > 2 for t in trees)  # lookup's own first draft
     # trees while at most tree_max_batch sequences decode, chains in the full batch
     assert {(b > 2, w) for b, w in widths} == {(True, 1), (False, 2)}
 

@@ -239,11 +239,14 @@ def test_serve_flags_carry_ngram_first_and_speculator_int8():
     argv.append("--no-speculator-int8")
     assert not engine_config(build_parser(argv).parse_args(argv), 1).speculative.speculator_int8
     assert engine_config(build_parser(argv).parse_args(argv), 1).speculative.tree_width == 1
-    argv += ["--speculative-tree-width", "3", "--speculative-tree-max-batch", "4"]
+    argv += ["--speculative-tree-width", "3", "--speculative-tree-max-batch", "4",
+             "--speculative-tree-size", "7"]
     spec = engine_config(build_parser(argv).parse_args(argv), 1).speculative
-    assert (spec.tree_width, spec.tree_max_batch) == (3, 4)
+    assert (spec.tree_width, spec.tree_max_batch, spec.tree_size) == (3, 4, 7)
     with pytest.raises(ValueError, match=r"tree_width must be in \[1, 8\], got 9"):
         SpeculativeConfig(tree_width=9)
+    with pytest.raises(ValueError, match=r"tree_size must be in \[1, 15\], got 16"):
+        SpeculativeConfig(tree_size=16)
     argv = ["serve"]
     assert engine_config(build_parser(argv).parse_args(argv), 1).speculative is None
 

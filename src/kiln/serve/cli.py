@@ -55,6 +55,8 @@ def engine_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--speculative-tree-width", type=int, default=1,
                    help="draft trees: up to this many alternative continuations per sequence "
                         "and step, verified in one forward (n-gram lookup, head; 1 = one chain)")
+    g.add_argument("--speculative-tree-size", type=int, default=15,
+                   help="draft trees: at most this many drafts per tree (1-15)")
     g.add_argument("--speculative-tree-max-batch", type=int, default=1,
                    help="draft trees only while at most this many sequences decode")
     g.add_argument("--speculator-int8", action=argparse.BooleanOptionalAction, default=True,
@@ -123,6 +125,7 @@ def engine_config(args: argparse.Namespace, threads: int | None) -> EngineConfig
             args.speculator, SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens,
                                                ngram_first=args.ngram_first,
                                                tree_width=args.speculative_tree_width,
+                                               tree_size=args.speculative_tree_size,
                                                tree_max_batch=args.speculative_tree_max_batch,
                                                speculator_int8=args.speculator_int8)
         ) if args.speculator else None,

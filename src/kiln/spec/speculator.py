@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kiln.config import MAX_TREE_DRAFTS, SpeculativeConfig
+from kiln.config import SpeculativeConfig
 from kiln.engine.outputs import EngineCoreOutput
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
@@ -115,8 +115,6 @@ class Speculator:
         (controller, k) the step's cost is booked to: the proposer's when it drafted (its
         time is in the step), else lookup's."""
         batch, width = len(candidates), self._width(len(candidates))
-        if width > 1:
-            return self._propose_merged(sched, candidates, width)
         found = [self._lookup(r, width) for r in candidates]
         pays = [bool(f.token_ids) and self._lookup_pays(batch, n, r.request_id)
                 for r, (f, n) in zip(candidates, found, strict=True)]
@@ -130,6 +128,11 @@ class Speculator:
         to_model = [DraftRequest(r, n, width) for r in rest
                     if (n := self._cap(r, k_model)) > 0]
         model_drafts = self.proposer.propose(sched, to_model)
+        if width > 1:  # a tree step: a match passed over for the model joins its tree
+            passed = {r.request_id: f for r, (f, _), p in zip(candidates, found, pays,
+                                                              strict=True) if not p}
+            model_drafts = [self._merge(passed.get(w.request.request_id), d, w.max_drafts)
+                            for w, d in zip(to_model, model_drafts, strict=True)]
         to_lookup = [DraftRequest(r, self._cap(r, k_lookup)) for r, _, _ in matched if k_lookup]
         wanted = to_model + to_lookup
         drafts = model_drafts + [f for _, f, _ in matched if k_lookup]
@@ -144,21 +147,15 @@ class Speculator:
                    else (self.lookup, k_lookup))
         return wanted, drafts, sources, planned
 
-    def _propose_merged(self, sched: SchedulerOutput, candidates: list[Request], width: int):
-        """`ngram_first` in a tree step: one tree per request holding lookup's continuations
-        (first) and the proposer's, merged by common prefix, up to the proposer's k deep.
-        With a tree the two need not compete for the step: whichever is right is accepted,
-        and a step with few sequences verifies the extra drafts nearly for free."""
-        k = self.adaptive.choose(len(candidates), [r.request_id for r in candidates])
-        wanted = [DraftRequest(r, n, width) for r in candidates if (n := self._cap(r, k)) > 0]
-        drafts = []
-        for w, model in zip(wanted, self.proposer.propose(sched, wanted), strict=True):
-            tree = DraftTrie(MAX_TREE_DRAFTS)
-            tree.add_draft(self._lookup(w.request, width)[0].limit(w.max_drafts,
-                                                                   MAX_TREE_DRAFTS))
-            tree.add_draft(model)
-            drafts.append(tree.draft())
-        return wanted, drafts, [self.adaptive] * len(wanted), (self.adaptive, k)
+    def _merge(self, lookup: Draft | None, model: Draft, depth: int) -> Draft:
+        """One tree holding the model's drafts (first) and lookup's, merged by common prefix:
+        verified in one forward, whichever is right is accepted."""
+        if lookup is None or not lookup.token_ids:
+            return model
+        tree = DraftTrie(self.config.tree_size)
+        tree.add_draft(model.limit(depth, self.config.tree_size))
+        tree.add_draft(lookup.limit(depth, self.config.tree_size))
+        return tree.draft()
 
     def _width(self, batch: int) -> int:
         """Continuations per request this step: `tree_width` while at most `tree_max_batch`
@@ -214,7 +211,7 @@ class Speculator:
         if draft.parents is not None and (request.grammar is not None or draft.probs is not None):
             draft = draft.main_chain()  # grammar masks and q rows follow one chain
         draft = draft.limit(wanted.max_drafts,
-                            min(MAX_TREE_DRAFTS, self.max_model_len - request.num_tokens))
+                            min(self.config.tree_size, self.max_model_len - request.num_tokens))
         tokens = draft.token_ids
         if tokens and self.draft_filter is not None and draft.parents is None:
             tokens = tokens[:self.draft_filter(request, tokens)]
