@@ -174,7 +174,7 @@ def build(name: str, speculator: str | None, args) -> LLM | None:
                speculative_config=SpeculativeConfig(
                    ngram_first=name.endswith(("+ng", "+ngt")),
                    tree_width=args.tree_width if name.endswith(("tree", "+ngt")) else 1,
-                   tree_size=args.tree_size,
+                   tree_size=args.tree_size, adaptive=not args.no_adaptive,
                    num_speculative_tokens=args.num_speculative_tokens)
                if speculator else None)
 
@@ -208,6 +208,8 @@ def main() -> int:
                         help="most drafts per sequence per step (k)")
     parser.add_argument("--tree-width", type=int, default=3,
                         help="continuations per draft tree in the -tree and +ngt configs")
+    parser.add_argument("--no-adaptive", action="store_true",
+                        help="always draft k (acceptance of k drafts, not what pays)")
     parser.add_argument("--tree-size", type=int, default=15,
                         help="most drafts per tree in the -tree and +ngt configs")
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
