@@ -202,7 +202,7 @@ class SpeculativeConfig:
     # ngram_first, a match passed over for the head joins its tree); 1 = one chain of drafts
     tree_width: int = 1
     # most drafts in one tree (SGLang's --speculative-num-draft-tokens): a tree's first this
-    # many nodes (the head's likeliest; a merged tree's lookup continuations first)
+    # many nodes (the head's likeliest; in a merged tree the head's before lookup's)
     tree_size: int = MAX_TREE_DRAFTS
     # trees only in steps where at most this many sequences decode (chains above): at small
     # batches a step's cost hardly grows with its query tokens, at larger ones a tree's

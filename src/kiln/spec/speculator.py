@@ -153,7 +153,7 @@ class Speculator:
         if lookup is None or not lookup.token_ids:
             return model
         tree = DraftTrie(self.config.tree_size)
-        tree.add_draft(model.limit(depth, self.config.tree_size))
+        tree.add_draft(model)  # already at most `depth` deep
         tree.add_draft(lookup.limit(depth, self.config.tree_size))
         return tree.draft()
 
