@@ -292,8 +292,9 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     cases = sorted({(r["domain"], r["batch"]) for r in rows})
-    fig, axes = plt.subplots(1, len(cases), figsize=(3.2 * len(cases), 3.4), sharey=True)
-    for ax, (domain, batch) in zip(axes, cases, strict=True):
+    fig, axes = plt.subplots(1, len(cases), figsize=(3.2 * len(cases), 3.4), sharey=True,
+                             squeeze=False)
+    for ax, (domain, batch) in zip(axes[0], cases, strict=True):
         case = [r for r in rows if (r["domain"], r["batch"]) == (domain, batch)]
         ax.bar([r["config"] for r in case], [r["speedup"] for r in case], color="tab:orange")
         ax.axhline(1.0, color="gray", lw=0.8)
