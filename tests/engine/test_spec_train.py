@@ -52,18 +52,61 @@ def trained(llama_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("trained")
     save_head(trainer.head, out / "trained", torch.float32)
     save_head(untrained, out / "untrained", torch.float32)
-    return out, before, history
+    return out, before, history, runner.model, record
 
 
 def test_training_lowers_loss_and_raises_agreement(trained):
-    _, before, history = trained
+    _, before, history, _, _ = trained
     first, last = sum(history.loss[:4]) / 4, sum(history.loss[-4:]) / 4
     assert last < 0.7 * first
     assert history.eval_accuracy[0] > before[0] + 0.2
 
 
+def test_training_goes_on_from_a_trained_head(trained):
+    """`init` (--init): the trainer starts where the saved head ended — its held-out
+    agreement, its draft vocabulary — trains every unrolled step from the first optimizer
+    step (no step-1 curriculum again), and refuses a head that reads other features."""
+    from kiln.spec.eagle import load_head
+    from kiln.spec.train import HeadTrainer, TrainConfig
+
+    out, before, history, model, record = trained
+    cfg = TrainConfig(epochs=1, batch_size=8, lr=1e-3, draft_vocab_size=0, eval_fraction=0.2,
+                      autocast=False)
+    head = load_head(out / "trained", torch.float32)
+    trainer = HeadTrainer(model, record, cfg, "tiny", init=head)
+    assert torch.equal(trainer.head.draft_vocab, head.draft_vocab)
+    assert trainer.evaluate() == pytest.approx(history.eval_accuracy, abs=1e-4)
+    assert trainer.evaluate()[0] > before[0] + 0.2
+    more = trainer.fit()
+    assert len(more.accuracy[0]) == cfg.ttt_steps  # all steps at once, not step 1 alone
+    assert len(history.accuracy[0]) == 1
+    assert more.loss[0] < 0.5 * history.loss[0]
+    with pytest.raises(ValueError, match="feature layers"):
+        HeadTrainer(model, record, TrainConfig(feature_layers=(0, -1), autocast=False), "tiny",
+                    init=head)
+
+
+def test_cli_init_errors_are_one_line(trained, llama_path, tmp_path, capsys):
+    from kiln.cli import main
+
+    out = trained[0]
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    common = ["train-speculator", "--model", llama_path, "--prompts", str(prompts)]
+    assert main(common + ["--kind", "draft", "--out", str(tmp_path / "o"),
+                          "--init", str(out / "trained")]) != 0
+    assert "--init goes on training a head" in capsys.readouterr().err
+    assert main(common + ["--kind", "head", "--out", str(tmp_path / "o"),
+                          "--init", str(tmp_path)]) != 0
+    assert "not a trained head" in capsys.readouterr().err
+    assert main(common + ["--kind", "head", "--out", str(tmp_path / "o"), "--init",
+                          str(out / "trained"), "--feature-layers", "0", "-1"]) != 0
+    err = capsys.readouterr().err
+    assert "reads feature layers [-1], not [0, -1]" in err and "Traceback" not in err
+
+
 def test_trained_head_is_accepted_more_and_stays_lossless(trained, llama_path):
-    out, _, _ = trained
+    out, _, _, _, _ = trained
     reference = LLM(llama_path, dtype="float32", num_threads=1)
     expected = [o.outputs[0].token_ids for o in reference.generate(SEEDS[:4], GREEDY,
                                                                    use_tqdm=False)]

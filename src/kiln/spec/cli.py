@@ -69,6 +69,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="head: target features (-1 = final hidden, i = output of layer i)")
     p.add_argument("--head-intermediate-size", type=int, default=None)
     p.add_argument("--draft-layers", type=int, default=2, help="draft: layers it keeps")
+    p.add_argument("--init", default=None, metavar="DIR",
+                   help="head: go on training this trained head (same target; its shape, "
+                        "features and draft vocabulary are kept): more epochs, or new data")
     p.add_argument("--dtype", default="auto", help="target dtype while recording")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -84,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     plan = _Plan.from_args(args)
     console.print(f"[bold]train-speculator[/]: {plan.kind} for {plan.model_path} "
                   f"from {plan.source} -> {plan.out}")
+    plan.init = _init_head(args.init)
     record = _record(plan, console)
     trained, history = _train(plan, record, console)
     _save(plan, trained, history, record, time.perf_counter() - started)
@@ -115,6 +119,15 @@ def _apply_preset(args: argparse.Namespace) -> None:
         raise CliError("give --data FILES, --prompts FILE, --domain or --preset")
     if args.kind is None or args.out is None:
         raise CliError("give --kind head|draft and --out DIR (or a --preset)")
+    if args.init is not None:
+        if args.kind != "head":
+            raise CliError("--init goes on training a head; a draft model starts from the "
+                           "target's layers")
+        if not (Path(args.init) / "speculator.json").is_file():
+            raise CliError(f"--init {args.init}: not a trained head (no speculator.json)")
+        if Path(args.init).resolve() == Path(args.out).resolve():
+            raise CliError("--init and --out are the same directory; write the new head "
+                           "elsewhere")
     if args.answer_tokens is None:
         args.answer_tokens = 160 if args.self_distill else 256
     if args.max_tokens is None:
@@ -135,6 +148,7 @@ class _Plan:
     out: Path
     source: str
     args: argparse.Namespace
+    init: object = None  # --init's head (an EagleHead), loaded before anything long runs
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> _Plan:
@@ -208,6 +222,14 @@ def _record(plan: _Plan, console):
                          str(plan.model_path), CacheConfig(), ParallelConfig(a.threads),
                          frozenset())
     plan.target_model, plan.target_dtype = runner.model, runner.dtype
+    if plan.init is not None:  # before recording, which may take most of an hour
+        from kiln.cli import CliError
+        from kiln.spec.train import check_init
+
+        try:
+            check_init(plan.init.c, runner.model.arch, plan.train_config())
+        except ValueError as e:
+            raise CliError(f"--init {a.init}: {e}") from None
     cached = _record_cache(plan)
     if cached is not None and cached.is_file():
         console.print(f"target record from cache: {cached}")
@@ -264,9 +286,25 @@ def _train(plan: _Plan, record, console):
                 console.print(f"step {step}/{total}: {line}")  # logs get 10 lines
 
         if plan.kind == "head":
-            trainer = train.HeadTrainer(plan.target_model, record, cfg, plan.model_path.name)
+            trainer = train.HeadTrainer(plan.target_model, record, cfg, plan.model_path.name,
+                                        plan.init)
             return trainer.head, trainer.fit(report)
         return train.distill_draft(plan.model_path, record, cfg, report)
+
+
+def _init_head(path: str | None):
+    """The trained head --init names (None: train one from scratch)."""
+    if path is None:
+        return None
+    import torch
+
+    from kiln.cli import CliError
+    from kiln.spec.eagle import load_head
+
+    try:
+        return load_head(path, torch.float32)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise CliError(f"--init {path}: cannot load the head ({e})") from None
 
 
 def _save(plan: _Plan, trained, history, record, seconds: float) -> None:

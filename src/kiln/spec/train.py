@@ -148,19 +148,33 @@ def unroll(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, steps: in
 
 
 class HeadTrainer:
-    def __init__(self, model, record: TargetRecord, cfg: TrainConfig, target_name: str = ""):
+    """`init`: a trained head for the same target to go on training (more epochs, or other
+    data) — its shape, features and draft vocabulary are kept, and since its first draft
+    step is trained already, every optimizer step trains all the unrolled steps."""
+
+    def __init__(self, model, record: TargetRecord, cfg: TrainConfig, target_name: str = "",
+                 init: EagleHead | None = None):
         from kiln.models.layers.rotary import RotaryEmbedding
 
         torch.manual_seed(cfg.seed)
         arch = model.arch
         self.cfg, self.record = cfg, record
         self.train_idx, self.eval_idx = split_sequences(len(record.tokens), cfg)
-        vocab = choose_draft_vocab(record.labels[self.train_idx], cfg.draft_vocab_size,
-                                   arch.vocab_size)
-        config = HeadConfig.for_target(arch, len(vocab), cfg.feature_layers, target_name,
-                                       cfg.intermediate_size)
-        self.head = EagleHead(config, vocab).float().train()
-        _init_head(self.head, model)
+        if init is not None:
+            check_init(init.c, arch, cfg)
+            self.head = EagleHead(init.c, init.draft_vocab).float().train()
+            self.head.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                       for k, v in init.state_dict().items()})
+            self.first_only_share = 0.0
+        else:
+            vocab = choose_draft_vocab(record.labels[self.train_idx], cfg.draft_vocab_size,
+                                       arch.vocab_size)
+            config = HeadConfig.for_target(arch, len(vocab), cfg.feature_layers, target_name,
+                                           cfg.intermediate_size)
+            self.head = EagleHead(config, vocab).float().train()
+            _init_head(self.head, model)
+            self.first_only_share = cfg.first_step_share
+        vocab, config = self.head.draft_vocab, self.head.c
         self.embed = model.model.embed_tokens.weight.detach().float()
         self.lm_rows = lm_head_rows(model, vocab).detach().float()
         self.to_draft = torch.full((arch.vocab_size,), IGNORE, dtype=torch.int64)
@@ -222,7 +236,7 @@ class HeadTrainer:
         opt = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=0.01)
         history = History()
         total = _num_steps(len(self.train_idx), self.cfg)
-        first_only = int(self.cfg.first_step_share * total)
+        first_only = int(self.first_only_share * total)
         for step, idx in enumerate(_batches(self.train_idx, self.cfg)):
             for group in opt.param_groups:
                 group["lr"] = self.cfg.lr * _schedule(step, total, self.cfg)
@@ -255,6 +269,19 @@ def _init_head(head: EagleHead, model) -> None:
     the head learns to echo it.)"""
     with torch.no_grad():
         head.norm.copy_(model.model.norm.weight.detach().float())
+
+
+def check_init(c: HeadConfig, arch, cfg: TrainConfig) -> None:
+    """A head to go on training must be one for this target, reading the features asked for."""
+    mine = (arch.vocab_size, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    theirs = (c.vocab_size, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim)
+    if mine != theirs:
+        raise ValueError(f"the head to start from was trained for another model (vocabulary, "
+                         f"hidden size, heads, KV heads, head dim {theirs}; the target has "
+                         f"{mine})")
+    if tuple(c.feature_layers) != tuple(cfg.feature_layers):
+        raise ValueError(f"the head to start from reads feature layers "
+                         f"{list(c.feature_layers)}, not {list(cfg.feature_layers)}")
 
 
 def split_sequences(num_seqs: int, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
