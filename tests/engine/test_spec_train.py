@@ -171,7 +171,7 @@ def test_continuation_prompts_are_seeded_windows_round_robin():
         continuation_prompts([[1, 2]], 3, 8)
 
 
-def test_cli_self_distills_from_files(llama_path, tmp_path, monkeypatch):
+def test_cli_self_distills_from_files(llama_path, tmp_path, monkeypatch, capsys):
     """--self-distill: openings cut from the files, continued by the target; each training
     sequence is one opening plus its continuation (the continuation is the target's own
     greedy text, so its labels agree with its next tokens)."""
@@ -186,6 +186,7 @@ def test_cli_self_distills_from_files(llama_path, tmp_path, monkeypatch):
                  "head", "--out", str(head), "--self-distill", "--prompt-tokens", "8",
                  "--answer-tokens", "24", "--max-tokens", "256", "--epochs", "1",
                  "--dtype", "float32"]) == 0
+    assert "continued 8/8 openings" in capsys.readouterr().err  # progress in a log
     (cached,) = (tmp_path / "home" / "speculators" / ".records").iterdir()
     record = TargetRecord.load(cached)
     assert record.tokens.shape == (8, 32)

@@ -173,7 +173,7 @@ class _Plan:
                            draft_layers=a.draft_layers, seed=a.seed)
 
 
-def _documents(plan: _Plan, tokenizer) -> list[list[int]]:
+def _documents(plan: _Plan, tokenizer, console) -> list[list[int]]:
     from kiln.spec import data
 
     a = plan.args
@@ -185,7 +185,7 @@ def _documents(plan: _Plan, tokenizer) -> list[list[int]]:
     texts = data.domain_corpus(a.domain) if a.domain else data.read_text_files(a.data)
     random.Random(a.seed).shuffle(texts)
     if a.self_distill:
-        return _self_distilled(plan, tokenizer, texts)
+        return _self_distilled(plan, tokenizer, texts, console)
     docs = []
     for tokens in data.tokenize_documents(tokenizer, texts):
         docs.append(tokens[:a.doc_tokens])
@@ -194,9 +194,12 @@ def _documents(plan: _Plan, tokenizer) -> list[list[int]]:
     return docs
 
 
-def _self_distilled(plan: _Plan, tokenizer, texts: list[str]) -> list[list[int]]:
+def _self_distilled(plan: _Plan, tokenizer, texts: list[str], console) -> list[list[int]]:
     """Openings cut from the texts, each continued by the target (greedy, exactly
-    --answer-tokens): what the speculator will see at inference is the target's own text."""
+    --answer-tokens): what the speculator will see at inference is the target's own text.
+    Most of a preset's time: shown as a progress bar, or ~8 lines in a log."""
+    from rich.progress import Progress
+
     from kiln import LLM
     from kiln.spec import data
 
@@ -204,9 +207,22 @@ def _self_distilled(plan: _Plan, tokenizer, texts: list[str]) -> list[list[int]]
     n = max(1, a.max_tokens // (a.prompt_tokens + a.answer_tokens))
     prompts = data.continuation_prompts(data.tokenize_documents(tokenizer, texts), n,
                                         a.prompt_tokens, a.seed)
-    llm = LLM(str(plan.model_path), dtype=a.dtype, num_threads=a.threads, max_num_seqs=128,
+    seqs = 128
+    llm = LLM(str(plan.model_path), dtype=a.dtype, num_threads=a.threads, max_num_seqs=seqs,
               max_num_batched_tokens=4096, repetition_guard="off")
-    return data.generate_answers(llm, prompts, a.answer_tokens, ignore_eos=True)
+    # slices of whole batches (every continuation is as long), at most ~8 of them
+    slice_len = seqs * max(1, -(-len(prompts) // (8 * seqs)))
+    answers: list[list[int]] = []
+    with Progress(console=console, transient=False) as progress:
+        task = progress.add_task("the target continues the openings", total=len(prompts))
+        for start in range(0, len(prompts), slice_len):
+            answers += data.generate_answers(llm, prompts[start:start + slice_len],
+                                             a.answer_tokens, ignore_eos=True,
+                                             show_progress=False)
+            progress.update(task, completed=len(answers))
+            if not console.is_terminal:
+                console.print(f"continued {len(answers)}/{len(prompts)} openings")
+    return answers
 
 
 def _record(plan: _Plan, console):
@@ -236,7 +252,7 @@ def _record(plan: _Plan, console):
         return TargetRecord.load(cached)
     tokenizer = AutoTokenizer.from_pretrained(plan.model_path)
     seq_len = a.prompt_tokens + a.answer_tokens if a.self_distill else a.seq_len
-    chunks = chunk_tokens(_documents(plan, tokenizer), seq_len, a.max_tokens)
+    chunks = chunk_tokens(_documents(plan, tokenizer, console), seq_len, a.max_tokens)
     with Progress(console=console, transient=False) as progress:
         task = progress.add_task("recording the target", total=chunks.numel())
         record = record_target(runner, chunks, plan.train_config().feature_layers,

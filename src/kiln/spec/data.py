@@ -198,8 +198,8 @@ def continuation_prompts(token_lists: Iterable[list[int]], n: int, prompt_tokens
     return out
 
 
-def generate_answers(llm, prompts: list, max_tokens: int,
-                     ignore_eos: bool = False) -> list[list[int]]:
+def generate_answers(llm, prompts: list, max_tokens: int, ignore_eos: bool = False,
+                     show_progress: bool = True) -> list[list[int]]:
     """Prompt + the target's own greedy answer, as token ids (self-distillation data).
     Prompts are text, token-id lists, or chats (lists of messages). With `ignore_eos`
     every answer has exactly `max_tokens` tokens (continuations of raw text)."""
@@ -209,8 +209,8 @@ def generate_answers(llm, prompts: list, max_tokens: int,
     chats = [p for p in prompts if isinstance(p, list) and p and isinstance(p[0], dict)]
     plain = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts
              if not (isinstance(p, list) and p and isinstance(p[0], dict))]
-    outs = (llm.generate(plain, params, use_tqdm=True) if plain else []) + (
-        llm.chat(chats, params, use_tqdm=True) if chats else [])
+    outs = (llm.generate(plain, params, use_tqdm=show_progress) if plain else []) + (
+        llm.chat(chats, params, use_tqdm=show_progress) if chats else [])
     return [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
 
 
