@@ -300,7 +300,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_title(f"{domain} prompts, batch {batch}")
         ax.tick_params(axis="x", rotation=45)
-    axes[0].set_ylabel("decode tok/s vs off")
+    axes[0][0].set_ylabel("decode tok/s vs off")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
