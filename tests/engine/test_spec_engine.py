@@ -183,22 +183,28 @@ def test_ngram_first_lookup_and_model_each_draft_their_own_k(k_model, k_lookup, 
 
 
 @pytest.mark.parametrize("model_promises", [1.0, 4.0])
+@pytest.mark.parametrize("adaptive", [True, False])
 def test_ngram_first_gives_a_match_length_lookup_misses_on_to_the_model(
-        model_promises, reference, llama_path, head_path):
-    """Adaptive ngram_first keeps lookup's acceptance by match length: a match whose length
-    has paid less than the model's drafts promise goes to the model (here a model that
-    promises k = 3 accepted: every length but the ones lookup got wholly right), one that
-    promises nothing leaves every match with lookup. Output unchanged either way."""
+        adaptive, model_promises, reference, llama_path, head_path):
+    """ngram_first keeps lookup's acceptance by match length: a match whose length has paid
+    less than the model's drafts promise goes to the model (here a model that promises k = 3
+    accepted: every length but the ones lookup got wholly right), one that promises nothing
+    leaves every match with lookup. Adaptive speculation weighs the two sources' step costs
+    too (here unknown); without it (k fixed) acceptance alone decides, costs known or not.
+    Output unchanged either way."""
     import dataclasses
 
     _, ps, params, expected = reference
     llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
-              speculative_config=dataclasses.replace(FORCED, adaptive=True,
+              speculative_config=dataclasses.replace(FORCED, adaptive=adaptive,
                                                      ngram_first=True))
     spec = llm.engine.speculator
     spec.adaptive.choose = spec.lookup.choose = lambda batch, ids=(): 3
     spec.adaptive.expected_tokens = lambda k, ids=(): model_promises
-    spec.adaptive.cost = spec.lookup.cost = lambda batch, k: None  # tokens decide alone
+    if adaptive:
+        spec.adaptive.cost = spec.lookup.cost = lambda batch, k: None  # tokens decide alone
+    else:  # costs that favour lookup 10:1 are not weighed
+        spec.adaptive.cost, spec.lookup.cost = (lambda batch, k: 1.0), (lambda batch, k: 0.1)
     routed, inner = [], spec._lookup_pays
     spec._lookup_pays = lambda batch, n, rid: (routed.append((n, inner(batch, n, rid)))
                                                or routed[-1][1])

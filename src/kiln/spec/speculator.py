@@ -179,15 +179,13 @@ class Speculator:
         drafts; the model's by the request's own record) per second of its measured step
         cost (the model's includes its drafting).
         A length not yet tried goes to lookup (its prior is k accepted); without adaptive
-        speculation, every match does."""
-        if not self.adaptive.enabled:
-            return True
+        speculation (k fixed, costs not weighed) the more often right source drafts."""
         k = self.config.num_speculative_tokens
         verifies, accepted = self._by_match.get(match_length, (0.0, 0.0))
         lookup = 1.0 + (accepted + k) / (verifies + 1.0)
         model = self.adaptive.expected_tokens(k, [request_id])
         lookup_cost, model_cost = self.lookup.cost(batch, k), self.adaptive.cost(batch, k)
-        if lookup_cost and model_cost:
+        if lookup_cost and model_cost and self.adaptive.enabled:
             return lookup / lookup_cost >= model / model_cost
         return lookup >= model
 
