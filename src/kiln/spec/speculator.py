@@ -184,9 +184,10 @@ class Speculator:
         verifies, accepted = self._by_match.get(match_length, (0.0, 0.0))
         lookup = 1.0 + (accepted + k) / (verifies + 1.0)
         model = self.adaptive.expected_tokens(k, [request_id])
-        lookup_cost, model_cost = self.lookup.cost(batch, k), self.adaptive.cost(batch, k)
-        if lookup_cost and model_cost and self.adaptive.enabled:
-            return lookup / lookup_cost >= model / model_cost
+        if self.adaptive.enabled:
+            lookup_cost, model_cost = self.lookup.cost(batch, k), self.adaptive.cost(batch, k)
+            if lookup_cost and model_cost:
+                return lookup / lookup_cost >= model / model_cost
         return lookup >= model
 
     def _candidates(self, sched: SchedulerOutput) -> list[Request]:

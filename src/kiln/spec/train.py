@@ -163,8 +163,7 @@ class HeadTrainer:
         if init is not None:
             check_init(init.c, arch, cfg)
             self.head = EagleHead(init.c, init.draft_vocab).float().train()
-            self.head.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                       for k, v in init.state_dict().items()})
+            self.head.load_state_dict(init.state_dict())  # copied into fp32
             self.first_only_share = 0.0
         else:
             vocab = choose_draft_vocab(record.labels[self.train_idx], cfg.draft_vocab_size,
