@@ -177,7 +177,10 @@ def _positive(config: object, *names: str) -> None:
 
 
 MAX_TREE_WIDTH = 8
-MAX_TREE_DRAFTS = 15  # drafts in one request's tree: with its root, the short-query kernel's 16
+# drafts in one request's tree: with its root, a query of 32 tokens (decode-sized: the fused
+# stack's matmuls and the short-query attention kernel, which draft trees stay in)
+MAX_TREE_DRAFTS = 31
+DEFAULT_TREE_DRAFTS = 15  # tree_size by default
 
 
 @dataclass(frozen=True)
@@ -203,7 +206,7 @@ class SpeculativeConfig:
     tree_width: int = 1
     # most drafts in one tree (SGLang's --speculative-num-draft-tokens): a tree's first this
     # many nodes (the head's likeliest; in a merged tree the head's before lookup's)
-    tree_size: int = MAX_TREE_DRAFTS
+    tree_size: int = DEFAULT_TREE_DRAFTS
     # trees only in steps where at most this many sequences decode (chains above): at small
     # batches a step's cost hardly grows with its query tokens, at larger ones a tree's
     # extra tokens cost more than they bring (BENCHMARKS.md, draft trees)

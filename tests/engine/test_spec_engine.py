@@ -636,6 +636,27 @@ def test_head_trees_are_lossless(ngram_first, reference, llama_path, head_path, 
     assert {(b > 2, w) for b, w in widths} == {(True, 1), (False, 2)}
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])  # C++ attention, reference attention
+def test_trees_of_up_to_31_drafts_are_lossless(kernels, reference, llama_path, head_path,
+                                               monkeypatch):
+    """The head's tree 8 wide with lookup merged in: queries of up to 32 tokens, past the
+    C++ short-query kernel's 16-token chunks (trees stay in it for their bits)."""
+    import kiln.runner.batch as batch
+
+    _, ps, params, expected = reference
+    sizes = []
+    real = batch._place_tree
+    monkeypatch.setattr(batch, "_place_tree", lambda item, *a: sizes.append(
+        item.num_draft_tokens) or real(item, *a))
+    llm = LLM(llama_path, dtype="float32", num_threads=1, max_num_batched_tokens=128,
+              kernels=kernels, speculator=head_path, speculative_config=SpeculativeConfig(
+                  adaptive=False, tree_width=8, tree_size=31, ngram_first=True,
+                  tree_max_batch=8))
+    llm.engine.speculator._lookup_pays = lambda batch, n, rid: False  # every match merges
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    assert 15 < max(sizes) <= 31 and len(set(sizes)) > 1
+
+
 def test_head_tree_is_its_beam_search(reference, llama_path, head_path):
     """The head's tree nodes are the beam search they claim to be: each node's score is its
     path's log-likelihood found by running the head along that path alone (its own chain

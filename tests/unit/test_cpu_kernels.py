@@ -222,6 +222,35 @@ def test_tree_masks_in_both_backends(dtype, hq, hkv):
                                    rtol=TOL[dtype] * 5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_trees_longer_than_the_short_kernels_chunks_keep_their_bits(dtype):
+    """A 32-token tree query (a root, 31 drafts: the most a tree holds) goes to the short
+    kernel for its bits, while a 20-token prefill chunk beside it stays causal on the long
+    path; both backends against the written-out rule."""
+    from kiln.config import MAX_TREE_DRAFTS
+
+    n = MAX_TREE_DRAFTS + 1
+    layout, positions, cache, q, k, v, bs = random_batch(dtype, [n, 20, 1], [13, 9, 30],
+                                                         hq=9, hkv=3)
+    gen = torch.Generator().manual_seed(3)
+    bits = [1]
+    for i in range(1, n):  # each node's parent: the root or an earlier node, at random
+        bits.append(bits[int(torch.randint(i, (1,), generator=gen))] | 1 << i)
+    layout.tree_mask = torch.zeros(n + 21, dtype=torch.int64)
+    layout.tree_mask[:n] = torch.tensor(bits)
+    cpu = CpuPagedAttention()
+    meta = cpu.build_metadata(layout, positions, bs)
+    assert meta.short.query_lens.tolist() == [n, 1] and meta.long.query_lens.tolist() == [20]
+    scale = 64 ** -0.5
+    for backend in (TorchPagedAttention(), cpu):
+        run_cache = tuple(c.clone() for c in cache)
+        out = backend.forward(q, k, v, run_cache, backend.build_metadata(layout, positions, bs),
+                              scale)
+        expected = tree_attention_reference(q, run_cache, layout, bs, scale)
+        torch.testing.assert_close(out.float(), expected, atol=TOL[dtype] * 5,
+                                   rtol=TOL[dtype] * 5)
+
+
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load():
     """torch's build lock is a plain file; a process killed mid-build leaves it, and torch
     would wait for it forever. kiln holds an flock around the build and clears it."""

@@ -245,8 +245,9 @@ def test_serve_flags_carry_ngram_first_and_speculator_int8():
     assert (spec.tree_width, spec.tree_max_batch, spec.tree_size) == (3, 4, 7)
     with pytest.raises(ValueError, match=r"tree_width must be in \[1, 8\], got 9"):
         SpeculativeConfig(tree_width=9)
-    with pytest.raises(ValueError, match=r"tree_size must be in \[1, 15\], got 16"):
-        SpeculativeConfig(tree_size=16)
+    assert SpeculativeConfig().tree_size == 15 and SpeculativeConfig(tree_size=31).tree_size == 31
+    with pytest.raises(ValueError, match=r"tree_size must be in \[1, 31\], got 32"):
+        SpeculativeConfig(tree_size=32)
     argv = ["serve"]
     assert engine_config(build_parser(argv).parse_args(argv), 1).speculative is None
 

@@ -74,7 +74,7 @@ def build_batch(sched: SchedulerOutput) -> BatchInputs:
                        torch.tensor(logits_index, dtype=torch.int64), rows)
 
 
-MAX_TREE_QUERY = 16  # a tree's query (known tokens + drafts) stays within the short kernel
+MAX_TREE_QUERY = 32  # a tree's query (known tokens + drafts): decode-sized, see MAX_TREE_DRAFTS
 
 
 def _place_tree(item, q_start: int, positions: torch.Tensor, tree_mask: torch.Tensor) -> None:

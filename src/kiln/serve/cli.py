@@ -7,6 +7,7 @@ import logging
 
 from kiln.cluster.cli import add_cluster_flags, cluster_config, threads_per_worker
 from kiln.config import (
+    DEFAULT_TREE_DRAFTS,
     MAX_TREE_DRAFTS,
     CacheConfig,
     EngineConfig,
@@ -56,7 +57,7 @@ def engine_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--speculative-tree-width", type=int, default=1,
                    help="draft trees: up to this many alternative continuations per sequence "
                         "and step, verified in one forward (n-gram lookup, head; 1 = one chain)")
-    g.add_argument("--speculative-tree-size", type=int, default=MAX_TREE_DRAFTS,
+    g.add_argument("--speculative-tree-size", type=int, default=DEFAULT_TREE_DRAFTS,
                    help=f"draft trees: at most this many drafts per tree (1-{MAX_TREE_DRAFTS})")
     g.add_argument("--speculative-tree-max-batch", type=int, default=1,
                    help="draft trees only while at most this many sequences decode")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.config import MAX_TREE_DRAFTS, SpeculativeConfig
+from kiln.config import DEFAULT_TREE_DRAFTS, SpeculativeConfig
 from kiln.engine.scheduler import SchedulerOutput
 from kiln.spec.proposer import Draft, DraftRequest, DraftTrie, ProposerContext, register_proposer
 
@@ -47,7 +47,7 @@ MAX_OCCURRENCES = 64  # a tree looks at the latest this many occurrences of each
 
 
 def ngram_tree(tokens: np.ndarray, k: int, n_min: int, n_max: int, width: int,
-               size: int = MAX_TREE_DRAFTS) -> tuple[Draft, int]:
+               size: int = DEFAULT_TREE_DRAFTS) -> tuple[Draft, int]:
     """A tree of up to `width` distinct continuations (at most k deep, `size` drafts),
     `propose_ngram`'s chain first; and the length of the suffix that chain matched."""
     chain, matched = ngram_match(tokens, k, n_min, n_max)
@@ -70,10 +70,11 @@ def ngram_tree(tokens: np.ndarray, k: int, n_min: int, n_max: int, width: int,
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig, ctx: ProposerContext | None = None):
         self.n_min, self.n_max = config.ngram_min, config.ngram_max
+        self.tree_size = config.tree_size
 
     def propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]) -> list[Draft]:
         return [ngram_tree(np.asarray(w.request.all_token_ids), w.max_drafts, self.n_min,
-                           self.n_max, w.tree_width)[0] if w.tree_width > 1
+                           self.n_max, w.tree_width, self.tree_size)[0] if w.tree_width > 1
                 else Draft(propose_ngram(np.asarray(w.request.all_token_ids), w.max_drafts,
                                          self.n_min, self.n_max)) for w in wanted]
 

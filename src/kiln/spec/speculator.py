@@ -169,7 +169,7 @@ class Speculator:
         c, tokens = self.config, np.asarray(request.all_token_ids)
         k = self._cap(request, c.num_speculative_tokens)
         if width > 1:
-            return ngram_tree(tokens, k, c.ngram_min, c.ngram_max, width)
+            return ngram_tree(tokens, k, c.ngram_min, c.ngram_max, width, c.tree_size)
         chain, n = ngram_match(tokens, k, c.ngram_min, c.ngram_max)
         return Draft(chain), n
 
