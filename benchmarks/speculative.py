@@ -4,7 +4,9 @@
 
 Configurations: off, n-gram, draft model (the `code-draft` preset), code head, prose head
 (presets built by `kiln train-speculator --preset NAME`; missing ones are skipped), and each
-head with `ngram_first` ("+ng": an n-gram match's drafts where the text has one). Domains:
+head with `ngram_first` ("+ng": an n-gram match's drafts where the text has one); draft trees
+("-tree", "+ngt": --tree-width and --tree-size, or a shape of their own, NAME@WIDTHxSIZE, so
+tree shapes compare in one run). Domains:
 code prompts (the opening of held-out standard-library files) and prose prompts (windows of
 the held-out pages of the prose domain: the Python documentation when `python3-doc` is
 installed, else the pydoc topics), never text the speculators were trained on. Batch 1 runs three
@@ -39,7 +41,7 @@ from transformers import AutoTokenizer  # noqa: F401  (import before engines sta
 
 from kiln import LLM, SamplingParams
 from kiln.bench.result import cpu_summary
-from kiln.config import SpeculativeConfig
+from kiln.config import MAX_TREE_DRAFTS, MAX_TREE_WIDTH, SpeculativeConfig
 from kiln.engine.core import EngineRequest
 from kiln.spec.data import code_corpus, prose_corpus, prose_source
 from kiln.spec.resolve import speculators_home
@@ -52,6 +54,36 @@ CONFIGS = {"off": None, "ngram": "ngram", "draft": "code-draft", "code-head": "c
 # "-tree" and "+ngt": lookup drafts trees of --tree-width continuations (not in the default
 # set: `--configs off ngram ngram-tree`)
 DEFAULT_CONFIGS = [n for n in CONFIGS if not n.endswith(("tree", "+ngt"))]
+TREES = ("tree", "+ngt")
+
+
+def config_name(name: str) -> str:
+    """A configuration, optionally a tree one with its own width and size: "NAME@WxS"
+    (`prose-head+ngt@8x31`), so tree shapes compare in one run."""
+    base, at, shape = name.partition("@")
+    if base not in CONFIGS:
+        raise argparse.ArgumentTypeError(f"unknown configuration {base!r}; one of "
+                                          f"{', '.join(CONFIGS)}")
+    if at:
+        width, x, size = shape.partition("x")
+        if not (base.endswith(TREES) and x and width.isdigit() and size.isdigit()):
+            raise argparse.ArgumentTypeError(f"{name!r}: only -tree and +ngt configurations "
+                                              "take a shape, as NAME@WIDTHxSIZE")
+        if not (1 <= int(width) <= MAX_TREE_WIDTH and 1 <= int(size) <= MAX_TREE_DRAFTS):
+            raise argparse.ArgumentTypeError(f"{name!r}: width in [1, {MAX_TREE_WIDTH}], size "
+                                              f"in [1, {MAX_TREE_DRAFTS}]")
+    return name
+
+
+def tree_shape(name: str, args) -> tuple[int, int]:
+    """(tree width, tree size) of a configuration: 1 wide unless it drafts trees."""
+    base, _, shape = name.partition("@")
+    if not base.endswith(TREES):
+        return 1, args.tree_size
+    if shape:
+        width, _, size = shape.partition("x")
+        return int(width), int(size)
+    return args.tree_width, args.tree_size
 
 
 def code_prompts(tok, n: int, tokens: int) -> list[list[int]]:
@@ -164,17 +196,18 @@ def _spec_counts(llm: LLM) -> tuple[int, int, int]:
                                         s.stats.num_verify_steps)
 
 
-def build(name: str, speculator: str | None, args) -> LLM | None:
+def build(name: str, args) -> LLM | None:
+    speculator = CONFIGS[name.partition("@")[0]]
     if speculator not in (None, "ngram") and not (speculators_home() / speculator).is_dir():
         print(f"skipping {name}: no {speculators_home() / speculator} "
               f"(kiln train-speculator --preset {speculator})")
         return None
+    width, size = tree_shape(name, args)
     return LLM(max_model_len=1024, kv_cache_memory=96 << 20, max_num_seqs=8,
                num_threads=args.threads, speculator=speculator,
                speculative_config=SpeculativeConfig(
-                   ngram_first=name.endswith(("+ng", "+ngt")),
-                   tree_width=args.tree_width if name.endswith(("tree", "+ngt")) else 1,
-                   tree_size=args.tree_size, adaptive=not args.no_adaptive,
+                   ngram_first=name.partition("@")[0].endswith(("+ng", "+ngt")),
+                   tree_width=width, tree_size=size, adaptive=not args.no_adaptive,
                    num_speculative_tokens=args.num_speculative_tokens)
                if speculator else None)
 
@@ -212,14 +245,16 @@ def main() -> int:
                         help="always draft k (acceptance of k drafts, not what pays)")
     parser.add_argument("--tree-size", type=int, default=15,
                         help="most drafts per tree in the -tree and +ngt configs")
-    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, type=config_name,
+                        help=f"of {', '.join(CONFIGS)}; a tree one may name its own shape, "
+                             "NAME@WIDTHxSIZE (prose-head+ngt@8x31)")
     parser.add_argument("--batches", nargs="+", default=list(BATCHES), choices=BATCHES,
                         help="which cases to run (default: all)")
     parser.add_argument("--domains", nargs="+", default=["code", "prose"],
                         choices=["code", "prose"])
     parser.add_argument("--out", default="speculative-results.json")
     args = parser.parse_args()
-    llms = {n: llm for n in args.configs if (llm := build(n, CONFIGS[n], args)) is not None}
+    llms = {n: llm for n in args.configs if (llm := build(n, args)) is not None}
     tok = next(iter(llms.values())).get_tokenizer()
     make = {"code": code_prompts, "prose": prose_prompts}
     prompts = {d: make[d](tok, 16, args.prompt_tokens) for d in args.domains}
