@@ -186,7 +186,8 @@ def test_cli_self_distills_from_files(llama_path, tmp_path, monkeypatch, capsys)
                  "head", "--out", str(head), "--self-distill", "--prompt-tokens", "8",
                  "--answer-tokens", "24", "--max-tokens", "256", "--epochs", "1",
                  "--dtype", "float32"]) == 0
-    assert "continued 8/8 openings" in capsys.readouterr().err  # progress in a log
+    err = capsys.readouterr().err  # progress in a log
+    assert "continued 8/8 openings" in err and "recorded 256/256 tokens" in err
     (cached,) = (tmp_path / "home" / "speculators" / ".records").iterdir()
     record = TargetRecord.load(cached)
     assert record.tokens.shape == (8, 32)

@@ -255,10 +255,19 @@ def _record(plan: _Plan, console):
     tokenizer = AutoTokenizer.from_pretrained(plan.model_path)
     seq_len = a.prompt_tokens + a.answer_tokens if a.self_distill else a.seq_len
     chunks = chunk_tokens(_documents(plan, tokenizer, console), seq_len, a.max_tokens)
+    total, done = chunks.numel(), [0]
+
+    def advance(n: int) -> None:  # a bar, or 4 lines in a log
+        progress.advance(task, n)
+        quarter = total / 4
+        if not console.is_terminal and int((done[0] + n) / quarter) > int(done[0] / quarter):
+            console.print(f"recorded {done[0] + n}/{total} tokens")
+        done[0] += n
+
     with Progress(console=console, transient=False) as progress:
-        task = progress.add_task("recording the target", total=chunks.numel())
+        task = progress.add_task("recording the target", total=total)
         record = record_target(runner, chunks, plan.train_config().feature_layers,
-                               progress=lambda n: progress.advance(task, n))
+                               progress=advance)
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         record.save(cached)
