@@ -100,8 +100,9 @@ def test_a_wrong_kiln_prose_docs_is_an_error_not_a_silent_fallback(tmp_path, mon
 
 
 def test_presets_carry_their_own_token_counts(tmp_path):
-    """--preset prose-head and code-head self-distill 1,048,576 tokens and train 10 epochs,
-    code-draft 524,288 and its kind's default, unless --max-tokens / --epochs say otherwise."""
+    """--preset prose-head and code-head self-distill 1,048,576 tokens and train 12 and 10
+    epochs, code-draft 524,288 and its kind's default, unless --max-tokens / --epochs say
+    otherwise."""
     import argparse
 
     from kiln.spec.cli import _apply_preset, register
@@ -114,7 +115,7 @@ def test_presets_carry_their_own_token_counts(tmp_path):
         _apply_preset(args)
         return args.max_tokens, args.kind, args.domain, args.epochs
 
-    assert tokens("--preset", "prose-head") == (1048576, "head", "prose", 10)
+    assert tokens("--preset", "prose-head") == (1048576, "head", "prose", 12)
     assert tokens("--preset", "code-head") == (1048576, "head", "code", 10)
     assert tokens("--preset", "code-draft") == (524288, "draft", "code", None)
     assert tokens("--preset", "prose-head", "--max-tokens", "4096")[0] == 4096
