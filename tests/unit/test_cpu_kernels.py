@@ -199,6 +199,17 @@ def tree_attention_reference(q, cache, layout, bs, scale):
     return out
 
 
+def assert_both_backends_follow_the_bits(dtype, layout, positions, cache, q, k, v, bs):
+    scale = 64 ** -0.5
+    for backend in (TorchPagedAttention(), CpuPagedAttention()):
+        run_cache = tuple(c.clone() for c in cache)
+        out = backend.forward(q, k, v, run_cache, backend.build_metadata(layout, positions, bs),
+                              scale)
+        expected = tree_attention_reference(q, run_cache, layout, bs, scale)
+        torch.testing.assert_close(out.float(), expected, atol=TOL[dtype] * 5,
+                                   rtol=TOL[dtype] * 5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq, hkv", [(6, 2), (9, 3)])
 def test_tree_masks_in_both_backends(dtype, hq, hkv):
@@ -212,14 +223,7 @@ def test_tree_masks_in_both_backends(dtype, hq, hkv):
         bits.append(bits[p + 1] | 1 << len(bits))
     layout.tree_mask = torch.zeros(12, dtype=torch.int64)
     layout.tree_mask[:7] = torch.tensor(bits)
-    scale = 64 ** -0.5
-    for backend in (TorchPagedAttention(), CpuPagedAttention()):
-        run_cache = tuple(c.clone() for c in cache)
-        out = backend.forward(q, k, v, run_cache, backend.build_metadata(layout, positions, bs),
-                              scale)
-        expected = tree_attention_reference(q, run_cache, layout, bs, scale)
-        torch.testing.assert_close(out.float(), expected, atol=TOL[dtype] * 5,
-                                   rtol=TOL[dtype] * 5)
+    assert_both_backends_follow_the_bits(dtype, layout, positions, cache, q, k, v, bs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -241,14 +245,7 @@ def test_trees_longer_than_the_short_kernels_chunks_keep_their_bits(dtype):
     cpu = CpuPagedAttention()
     meta = cpu.build_metadata(layout, positions, bs)
     assert meta.short.query_lens.tolist() == [n, 1] and meta.long.query_lens.tolist() == [20]
-    scale = 64 ** -0.5
-    for backend in (TorchPagedAttention(), cpu):
-        run_cache = tuple(c.clone() for c in cache)
-        out = backend.forward(q, k, v, run_cache, backend.build_metadata(layout, positions, bs),
-                              scale)
-        expected = tree_attention_reference(q, run_cache, layout, bs, scale)
-        torch.testing.assert_close(out.float(), expected, atol=TOL[dtype] * 5,
-                                   rtol=TOL[dtype] * 5)
+    assert_both_backends_follow_the_bits(dtype, layout, positions, cache, q, k, v, bs)
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load():
