@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.config import MAX_TREE_DRAFTS
 from kiln.engine.scheduler import SchedulerOutput, tree_depths
 from kiln.runner.attention import SeqLayout
 
@@ -74,7 +75,7 @@ def build_batch(sched: SchedulerOutput) -> BatchInputs:
                        torch.tensor(logits_index, dtype=torch.int64), rows)
 
 
-MAX_TREE_QUERY = 32  # a tree's query (known tokens + drafts): decode-sized, see MAX_TREE_DRAFTS
+MAX_TREE_QUERY = MAX_TREE_DRAFTS + 1  # a tree's query: its root (the last known token) + drafts
 
 
 def _place_tree(item, q_start: int, positions: torch.Tensor, tree_mask: torch.Tensor) -> None:
