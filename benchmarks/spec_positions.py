@@ -36,7 +36,7 @@ from kiln.runner.model_runner import ModelRunner
 from kiln.spec.data import TargetRecord, prose_source, record_target
 from kiln.spec.eagle import lm_head_rows, load_head
 from kiln.spec.ngram import propose_ngram
-from kiln.spec.resolve import speculators_home
+from kiln.spec.resolve import speculator_path
 from kiln.spec.train import unroll
 
 K = 3
@@ -120,7 +120,7 @@ def main() -> int:
     for domain in ("code", "prose"):
         tokens = continuations(domain, args.new_tokens, args.prompt_tokens)
         for name in args.heads:
-            heads, expect = head_drafts(runner, speculators_home() / name, tokens)
+            heads, expect = head_drafts(runner, speculator_path(name), tokens)
             per, starts = [], []  # (head, ngram, matched, match length, head expects)
             for i, seq in enumerate(tokens.tolist()):
                 starts.append(len(per))

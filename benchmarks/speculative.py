@@ -44,7 +44,7 @@ from kiln.bench.result import cpu_summary
 from kiln.config import MAX_TREE_DRAFTS, MAX_TREE_WIDTH, SpeculativeConfig
 from kiln.engine.core import EngineRequest
 from kiln.spec.data import code_corpus, prose_corpus, prose_source
-from kiln.spec.resolve import speculators_home
+from kiln.spec.resolve import speculator_path, speculators_home
 
 CONFIGS = {"off": None, "ngram": "ngram", "draft": "code-draft", "code-head": "code-head",
            "prose-head": "prose-head", "code-head+ng": "code-head", "prose-head+ng": "prose-head",
@@ -198,10 +198,13 @@ def _spec_counts(llm: LLM) -> tuple[int, int, int]:
 
 def build(name: str, args) -> LLM | None:
     speculator = CONFIGS[name.partition("@")[0]]
-    if speculator not in (None, "ngram") and not (speculators_home() / speculator).is_dir():
-        print(f"skipping {name}: no {speculators_home() / speculator} "
-              f"(kiln train-speculator --preset {speculator})")
-        return None
+    if speculator not in (None, "ngram"):
+        try:
+            speculator = str(speculator_path(speculator))
+        except ValueError:
+            print(f"skipping {name}: no {speculators_home() / speculator} and none shipped "
+                  f"(kiln train-speculator --preset {speculator})")
+            return None
     width, size = tree_shape(name, args)
     return LLM(max_model_len=1024, kv_cache_memory=96 << 20, max_num_seqs=8,
                num_threads=args.threads, speculator=speculator,

@@ -226,6 +226,22 @@ def test_speculator_names_resolve(tmp_path):
         SpeculativeConfig(method="head")
 
 
+def test_a_preset_trained_here_wins_over_the_shipped_one(tmp_path, monkeypatch):
+    import kiln.spec.resolve as resolve
+
+    shipped, home = tmp_path / "shipped" / "code-head", tmp_path / "home" / "speculators"
+    shipped.mkdir(parents=True)
+    (shipped / "speculator.json").write_text(json.dumps({"kind": "head"}))
+    monkeypatch.setattr(resolve, "SHIPPED", shipped.parent)
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    assert resolve_speculative_config("code-head").model == str(shipped)
+    (home / "code-head").mkdir(parents=True)
+    (home / "code-head" / "speculator.json").write_text(json.dumps({"kind": "head"}))
+    assert resolve_speculative_config("code-head").model == str(home / "code-head")
+    with pytest.raises(ValueError, match="train-speculator --preset prose-head"):
+        resolve_speculative_config("prose-head")
+
+
 def test_serve_flags_carry_ngram_first_and_speculator_int8():
     from kiln.cli import build_parser
     from kiln.serve.cli import engine_config

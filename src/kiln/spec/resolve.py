@@ -5,7 +5,8 @@ A speculator is named by:
   - a directory written by `kiln train-speculator` (its `speculator.json` says head or draft);
   - any HF checkpoint directory sharing the target's tokenizer (a draft model);
   - a preset name ("code-head", "prose-head", "code-draft"): a directory under
-    `$KILN_HOME/speculators/` built by `kiln train-speculator --preset NAME`.
+    `$KILN_HOME/speculators/` built by `kiln train-speculator --preset NAME`, else the one
+    shipped with kiln for the default model (`kiln/spec/presets/NAME`), where there is one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kiln.config import SpeculativeConfig
 
 SPECULATOR_FILE = "speculator.json"
 FILE_FREE_METHODS = ("ngram",)
+SHIPPED = Path(__file__).parent / "presets"  # heads trained for the default model, in the wheel
 
 
 def speculators_home() -> Path:
@@ -34,7 +36,7 @@ def resolve_speculative_config(speculator: str | None,
     base = config or SpeculativeConfig()
     if speculator in FILE_FREE_METHODS:
         return dataclasses.replace(base, method=speculator, model=None)
-    path = _find(speculator)
+    path = speculator_path(speculator)
     return dataclasses.replace(base, method=speculator_kind(path), model=str(path))
 
 
@@ -49,13 +51,15 @@ def speculator_kind(path: Path) -> str:
                      f"checkpoint (no config.json)")
 
 
-def _find(name: str) -> Path:
+def speculator_path(name: str) -> Path:
+    """The directory `name` stands for: itself, a preset trained here, or a shipped one."""
     path = Path(name).expanduser()
     if path.is_dir():
         return path
-    preset = speculators_home() / name
-    if preset.is_dir():
-        return preset
+    for home in (speculators_home(), SHIPPED):  # one trained here wins over the shipped one
+        preset = home / name
+        if preset.is_dir():
+            return preset
     raise ValueError(f"speculator {name!r} is not a directory, a preset under "
                      f"{speculators_home()} (build one with `kiln train-speculator --preset "
                      f"{name}`), or one of {', '.join(FILE_FREE_METHODS)}")
