@@ -202,7 +202,9 @@ class SpeculativeConfig:
     # draft trees: up to this many alternative continuations per request and step, verified
     # in one forward (n-gram: several earlier occurrences' continuations, merged by common
     # prefix; head: a beam search this wide, its k * width likeliest nodes; with
-    # ngram_first, a match passed over for the head joins its tree); 1 = one chain of drafts
+    # ngram_first, a match passed over for the head joins its tree); 1 = one chain of drafts.
+    # With adaptive speculation each step still picks a tree or a chain, whichever has made
+    # more tokens per unit of cost (spec/adaptive.py, TreeChoice)
     tree_width: int = 1
     # most drafts in one tree (SGLang's --speculative-num-draft-tokens): a tree's first this
     # many nodes (the head's likeliest; in a merged tree the head's before lookup's)

@@ -206,8 +206,8 @@ def test_ngram_first_gives_a_match_length_lookup_misses_on_to_the_model(
     else:  # costs that favour lookup 10:1 are not weighed
         spec.adaptive.cost, spec.lookup.cost = (lambda batch, k: 1.0), (lambda batch, k: 0.1)
     routed, inner = [], spec._lookup_pays
-    spec._lookup_pays = lambda batch, n, rid: (routed.append((n, inner(batch, n, rid)))
-                                               or routed[-1][1])
+    spec._lookup_pays = lambda batch, n, *rest: (routed.append((n, inner(batch, n, *rest)))
+                                                 or routed[-1][1])
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
     assert spec._by_match and all(v > 0 and 0 <= a <= 3 * v for v, a in spec._by_match.values())
     to_model = {n for n, pays in routed if not pays}
@@ -626,11 +626,11 @@ def test_head_trees_are_lossless(ngram_first, reference, llama_path, head_path, 
               speculator=head_path, speculative_config=SpeculativeConfig(
                   adaptive=False, tree_width=2, ngram_first=ngram_first, tree_max_batch=2))
     if ngram_first:  # one-token matches go to the head (and join its tree), longer to lookup
-        llm.engine.speculator._lookup_pays = lambda batch, n, rid: n > 1
-    widths = []
-    real_width = llm.engine.speculator._width
-    llm.engine.speculator._width = lambda batch: widths.append(
-        (batch, real_width(batch))) or widths[-1][1]
+        llm.engine.speculator._lookup_pays = lambda batch, n, *controllers: n > 1
+    shapes = []
+    real_shape = llm.engine.speculator._tree_step
+    llm.engine.speculator._tree_step = lambda batch: shapes.append(
+        (batch, real_shape(batch))) or shapes[-1][1]
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
     trees = [item.draft_parents for item in placed]
     assert any(t.count(-1) == 2 for t in trees)  # the head's two first drafts
@@ -640,7 +640,7 @@ def test_head_trees_are_lossless(ngram_first, reference, llama_path, head_path, 
     assert (max(sizes) > 6) if ngram_first else (max(sizes) == 6)
     assert not ngram_first or any(t.count(-1) > 2 for t in trees)  # lookup's own first draft
     # trees while at most tree_max_batch sequences decode, chains in the full batch
-    assert {(b > 2, w) for b, w in widths} == {(True, 1), (False, 2)}
+    assert {(b > 2, tree) for b, tree in shapes if b} == {(True, None), (False, True)}
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])  # C++ attention, reference attention
@@ -654,10 +654,32 @@ def test_trees_of_up_to_31_drafts_are_lossless(kernels, reference, llama_path, h
               kernels=kernels, speculator=head_path, speculative_config=SpeculativeConfig(
                   adaptive=False, tree_width=8, tree_size=31, ngram_first=True,
                   tree_max_batch=8))
-    llm.engine.speculator._lookup_pays = lambda batch, n, rid: False  # every match merges
+    llm.engine.speculator._lookup_pays = lambda batch, n, *rest: False  # every match merges
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
     sizes = {item.num_draft_tokens for item in placed}
     assert 15 < max(sizes) <= 31 and len(sizes) > 1
+
+
+@pytest.mark.parametrize("ngram_first", [False, True])
+def test_adaptive_trees_measure_trees_and_chains_and_stay_lossless(ngram_first, reference,
+                                                                   llama_path, head_path):
+    """With adaptive speculation, tree steps have controllers of their own (sharing the
+    baseline) and `shape` measures both shapes before choosing; greedy output unchanged."""
+    _, ps, params, expected = reference
+    llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
+              speculative_config=SpeculativeConfig(tree_width=3, tree_max_batch=8,
+                                                   ngram_first=ngram_first))
+    spec = llm.engine.speculator
+    spec.shape.warmup = 3  # both shapes within this short run
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    tree_model, tree_lookup = spec._trees
+    assert tree_model is not spec.adaptive and tree_model._baseline is spec.adaptive._baseline
+    assert (tree_lookup is not None) == ngram_first
+    assert tree_lookup is None or tree_lookup is not spec.lookup
+    assert spec.shape._seen[True] >= 3 and spec.shape._seen[False] >= 3
+    for shape in ((tree_model, tree_lookup), (spec.adaptive, spec.lookup)):
+        assert any(c is not None and sum(c._tried) > 0 for c in shape)  # drafts verified
+    assert llm.engine.kv.stats().used_blocks == 0
 
 
 def test_head_tree_is_its_beam_search(reference, llama_path, head_path):

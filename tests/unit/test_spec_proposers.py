@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kiln.config import SpeculativeConfig
-from kiln.spec.adaptive import AdaptiveK, batch_bucket
+from kiln.spec.adaptive import AdaptiveK, TreeChoice, batch_bucket
 from kiln.spec.ngram import ngram_match, ngram_tree, propose_ngram
 from kiln.spec.proposer import Draft, DraftTrie
 from kiln.spec.resolve import resolve_speculative_config
@@ -206,6 +206,30 @@ def test_adaptive_costs_are_relative_to_the_baseline_of_their_time():
         for _ in range(3):
             adaptive.observe_acceptance(1, 0)
     assert adaptive._best(8, ()) == 0
+
+
+def test_tree_choice_keeps_the_shape_that_makes_more_tokens_per_cost():
+    """Each shape is measured first (trees, then chains); afterwards the one with more tokens
+    per unit of cost runs and the other only in probes, and a change of costs turns it."""
+    choice = TreeChoice()
+    shapes = {True: (2.4, 3.0), False: (1.8, 1.3)}  # tokens, cost: an AVX2 CPU's trees lose
+
+    def run(steps: int) -> list[bool]:
+        picks = []
+        for _ in range(steps):
+            picks.append(tree := choice.choose())
+            choice.observe(tree, *shapes[tree])
+        return picks
+
+    picks = run(240)
+    assert picks[:24] == [True] * 12 + [False] * 12
+    # the probes only, ever rarer while chains stay best: after 12, 24, then 48 steps
+    assert [i - 24 for i, tree in enumerate(picks) if tree and i >= 24] == [11, 35, 83, 131,
+                                                                              179]
+    shapes[True] = (2.4, 1.4)  # trees get cheap (a quieter machine): they take over
+    picks = run(1000)
+    assert picks[-96:].count(False) == 2  # chains in the probes only
+    assert choice.rate(True) == pytest.approx(2.4 / 1.4, rel=0.05)
 
 
 def test_speculator_names_resolve(tmp_path):

@@ -243,3 +243,58 @@ def _count(tried: list[float], accepted: list[float], num_asked: int, num_accept
             accepted[i] += 1.0
         else:
             break
+
+
+@dataclass
+class TreeChoice:
+    """Trees or chains, in the steps where trees are allowed (adaptive speculation's choice
+    of shape). A tree step verifies up to `tree_size` drafts and accepts more of them than a
+    chain; whether that pays depends on how a step's cost grows with its query tokens: on an
+    AVX-512 BF16 CPU a 16-token step costs 1.6x a 1-token one; on an AVX2 CPU, where bf16
+    weights are widened to fp32 (a 576x1536 linear: 329 us for 16 tokens, 98 for 2), lookup's
+    15-draft trees ran at 1.20x of no drafts on code and its chains at 1.36x (BENCHMARKS.md). Each shape has its own controllers for k (its own
+    acceptance and costs); this picks the shape with more tokens per unit of cost, measured
+    over whole decode steps (k = 0 steps included: what each shape's controller actually
+    makes of its steps). Each shape gets `warmup` steps first (trees first), then the better
+    one runs and the other is re-measured in a probe step, first after `probe_every` steps;
+    each probe that leaves the same shape best doubles the interval (up to
+    `max_probe_every`), a change of best shape resets it (as AdaptiveK's probes do: on the
+    AVX2 CPU lookup's trees made 0.9 tokens per unit of cost and its chains 1.2-2.4, so a
+    probe one step in 12 cost about 4%)."""
+
+    warmup: int = 12
+    probe_every: int = 12
+    max_probe_every: int = 48
+    decay: float = 0.9  # per observation of a shape: old steps fade (load and text change)
+    _tokens: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [chain, tree]
+    _cost: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    _seen: list[int] = field(default_factory=lambda: [0, 0])
+    _steps: int = 0
+    _probe: tuple[int, int, bool] | None = None  # (next probe step, interval, best then)
+
+    def choose(self) -> bool:
+        """True: this step drafts trees."""
+        for tree in (True, False):
+            if self._seen[tree] < self.warmup:
+                return tree
+        self._steps += 1
+        best = self.rate(True) > self.rate(False)
+        due, interval, last_best = self._probe or (self.probe_every, self.probe_every, best)
+        if self._steps < due:
+            self._probe = (due, interval, last_best)
+            return best
+        interval = (min(2 * interval, self.max_probe_every) if best == last_best
+                    else self.probe_every)
+        self._probe = (self._steps + interval, interval, best)
+        return not best
+
+    def rate(self, tree: bool) -> float:
+        """Tokens per sequence per unit of cost (1 = a step without drafts)."""
+        return self._tokens[tree] / self._cost[tree] if self._cost[tree] else 0.0
+
+    def observe(self, tree: bool, tokens: float, cost: float) -> None:
+        """One decode step of this shape: tokens per sequence it made, and its cost per
+        sequence relative to a step without drafts."""
+        self._tokens[tree] = self._tokens[tree] * self.decay + tokens
+        self._cost[tree] = self._cost[tree] * self.decay + cost
+        self._seen[tree] += 1

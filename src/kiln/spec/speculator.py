@@ -30,7 +30,7 @@ from kiln.config import SpeculativeConfig
 from kiln.engine.outputs import EngineCoreOutput
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
-from kiln.spec.adaptive import AdaptiveK
+from kiln.spec.adaptive import AdaptiveK, TreeChoice
 from kiln.spec.ngram import ngram_match, ngram_tree
 from kiln.spec.proposer import Draft, DraftRequest, DraftTrie, ProposerContext, build_proposer
 
@@ -65,15 +65,27 @@ class Speculator:
         if config.ngram_first and config.method != "ngram":
             self.lookup = self._controller()
             self.lookup.share_baseline(self.adaptive)
+        # trees: with adaptive speculation, tree steps get controllers of their own (a tree
+        # accepts more than a chain and costs more) and `shape` picks trees or chains
+        self.shape: TreeChoice | None = None
+        self._trees: tuple[AdaptiveK, AdaptiveK | None] = (self.adaptive, self.lookup)
+        if config.tree_width > 1 and config.adaptive:
+            self.shape = TreeChoice()
+            self._trees = (self._controller(), self._controller() if self.lookup else None)
+            for controller in self._trees:
+                if controller is not None:
+                    controller.share_baseline(self.adaptive)
         self.draft_filter: DraftFilter | None = None
         self.stats = SpecStats()
         # request -> (drafts asked, proposed, the controller whose k it was)
         self._asked: dict[str, tuple[int, int, AdaptiveK]] = {}
-        self._source = {id(self.adaptive): config.method}  # controller -> drafts' source
-        if self.lookup is not None:
-            self._source[id(self.lookup)] = "ngram"
-        self._last: tuple[int, AdaptiveK, int, float] | None = None  # (batch, controller,
-        # k, propose seconds) of the step the last round planned
+        self._source = {id(self._trees[0]): config.method, id(self.adaptive): config.method}
+        for controller in (self.lookup, self._trees[1]):  # controller -> drafts' source
+            if controller is not None:
+                self._source[id(controller)] = "ngram"
+        self._last: tuple[int, AdaptiveK, int, float, bool | None] | None = None  # (batch,
+        # controller, k, propose seconds, tree step or not (None: trees not allowed)) of
+        # the step the last round planned
         # ngram_first: lookup's record by the length of the suffix it matched, n ->
         # [verify steps, accepted drafts] (decayed like AdaptiveK's counts): one-token matches
         # are right far less often than four-token ones, and on prose less than a head
@@ -90,23 +102,27 @@ class Speculator:
         finished = self._observe(sched, outputs, step_seconds)
         started = time.perf_counter()
         candidates = self._candidates(sched)
-        if self.lookup is None:
-            k = (self.adaptive.choose(len(candidates), [r.request_id for r in candidates])
+        tree = self._tree_step(len(candidates))
+        width = self.config.tree_width if tree else 1
+        model, lookup = self._trees if tree else (self.adaptive, self.lookup)
+        if lookup is None:
+            k = (model.choose(len(candidates), [r.request_id for r in candidates])
                  if candidates else 0)
-            width = self._width(len(candidates))
             wanted = [DraftRequest(r, n, width) for r in candidates
                       if (n := self._cap(r, k)) > 0]
             drafts = self.proposer.propose(sched, wanted)
-            sources, planned = [self.adaptive] * len(wanted), (self.adaptive, k)
+            sources, planned = [model] * len(wanted), (model, k)
         else:
-            wanted, drafts, sources, planned = self._propose_lookup_first(sched, candidates)
+            wanted, drafts, sources, planned = self._propose_lookup_first(
+                sched, candidates, width, model, lookup)
         for w, draft, source in zip(wanted, drafts, sources, strict=True):
             self._store(w, draft, source)
         if finished:
             self.proposer.release(finished)
-        self._last = (len(candidates), *planned, time.perf_counter() - started)
+        self._last = (len(candidates), *planned, time.perf_counter() - started, tree)
 
-    def _propose_lookup_first(self, sched: SchedulerOutput, candidates: list[Request]):
+    def _propose_lookup_first(self, sched: SchedulerOutput, candidates: list[Request],
+                              width: int, model: AdaptiveK, lookup: AdaptiveK):
         """`ngram_first`: a request whose text has an n-gram match takes that match's drafts
         (up to the lookup controller's k) unless matches of its length have paid less than
         the proposer's drafts promise (`_lookup_pays`) and the proposer drafts this step;
@@ -114,16 +130,16 @@ class Speculator:
         follow the target). Returns the wanted drafts, the drafts, each one's controller, and
         (controller, k) the step's cost is booked to: the proposer's when it drafted (its
         time is in the step), else lookup's."""
-        batch, width = len(candidates), self._width(len(candidates))
+        batch = len(candidates)
         found = [self._lookup(r, width) for r in candidates]
-        pays = [bool(f.token_ids) and self._lookup_pays(batch, n, r.request_id)
+        pays = [bool(f.token_ids) and self._lookup_pays(batch, n, r.request_id, model, lookup)
                 for r, (f, n) in zip(candidates, found, strict=True)]
         rest = [r for r, p in zip(candidates, pays, strict=True) if not p]
-        k_model = self.adaptive.choose(batch, [r.request_id for r in rest]) if rest else 0
+        k_model = model.choose(batch, [r.request_id for r in rest]) if rest else 0
         # a match passed over for the model still drafts in a step where the model does not
         matched = [(r, f, n) for r, (f, n), p in zip(candidates, found, pays, strict=True)
                    if f.token_ids and (p or not k_model)]
-        k_lookup = (self.lookup.choose(batch, [r.request_id for r, _, _ in matched])
+        k_lookup = (lookup.choose(batch, [r.request_id for r, _, _ in matched])
                     if matched else 0)
         to_model = [DraftRequest(r, n, width) for r in rest
                     if (n := self._cap(r, k_model)) > 0]
@@ -140,11 +156,10 @@ class Speculator:
         for (f, n), p in zip(found, pays, strict=True):
             # passed over: old evidence fades toward the prior, so lookup gets it back in time
             if f.token_ids and not p and k_model and (record := self._by_match.get(n)):
-                record[0] *= self.lookup.acceptance_decay
-                record[1] *= self.lookup.acceptance_decay
-        sources = [self.adaptive] * len(to_model) + [self.lookup] * len(to_lookup)
-        planned = ((self.adaptive, k_model) if to_model or not to_lookup
-                   else (self.lookup, k_lookup))
+                record[0] *= lookup.acceptance_decay
+                record[1] *= lookup.acceptance_decay
+        sources = [model] * len(to_model) + [lookup] * len(to_lookup)
+        planned = (model, k_model) if to_model or not to_lookup else (lookup, k_lookup)
         return wanted, drafts, sources, planned
 
     def _merge(self, lookup: Draft | None, model: Draft, depth: int) -> Draft:
@@ -157,11 +172,14 @@ class Speculator:
         tree.add_draft(lookup.limit(depth, self.config.tree_size))
         return tree.draft()
 
-    def _width(self, batch: int) -> int:
-        """Continuations per request this step: `tree_width` while at most `tree_max_batch`
-        sequences decode, else 1 (chains)."""
+    def _tree_step(self, batch: int) -> bool | None:
+        """Whether this step drafts trees (`tree_width` continuations per request): None
+        where trees are not allowed (`tree_width` 1, no sequence or more than `tree_max_batch`
+        decode), else True without adaptive speculation, else `shape`'s choice."""
         c = self.config
-        return c.tree_width if batch <= c.tree_max_batch else 1
+        if c.tree_width == 1 or not 0 < batch <= c.tree_max_batch:
+            return None
+        return True if self.shape is None else self.shape.choose()
 
     def _lookup(self, request: Request, width: int) -> tuple[Draft, int]:
         """Lookup's drafts for a request (a tree with width > 1) and the length of the
@@ -173,7 +191,8 @@ class Speculator:
         chain, n = ngram_match(tokens, k, c.ngram_min, c.ngram_max)
         return Draft(chain), n
 
-    def _lookup_pays(self, batch: int, match_length: int, request_id: str) -> bool:
+    def _lookup_pays(self, batch: int, match_length: int, request_id: str, model: AdaptiveK,
+                     lookup: AdaptiveK) -> bool:
         """Whether a request whose text ends in an n-gram match of this length takes lookup's
         drafts rather than the model's: each source's expected tokens per step (1 + accepted
         drafts; the model's by the request's own record) per second of its measured step
@@ -182,13 +201,13 @@ class Speculator:
         speculation (k fixed, costs not weighed) the more often right source drafts."""
         k = self.config.num_speculative_tokens
         verifies, accepted = self._by_match.get(match_length, (0.0, 0.0))
-        lookup = 1.0 + (accepted + k) / (verifies + 1.0)
-        model = self.adaptive.expected_tokens(k, [request_id])
-        if self.adaptive.enabled:
-            lookup_cost, model_cost = self.lookup.cost(batch, k), self.adaptive.cost(batch, k)
+        expected = 1.0 + (accepted + k) / (verifies + 1.0)
+        promised = model.expected_tokens(k, [request_id])
+        if model.enabled:
+            lookup_cost, model_cost = lookup.cost(batch, k), model.cost(batch, k)
             if lookup_cost and model_cost:
-                return lookup / lookup_cost >= model / model_cost
-        return lookup >= model
+                return expected / lookup_cost >= promised / model_cost
+        return expected >= promised
 
     def _candidates(self, sched: SchedulerOutput) -> list[Request]:
         out = []
@@ -247,12 +266,19 @@ class Speculator:
         for rid in finished:
             self._asked.pop(rid, None)
             self._match_of.pop(rid, None)
-        for controller in (self.adaptive, self.lookup):
-            if controller is not None and finished:
+        for controller in {id(c): c for c in (self.adaptive, self.lookup, *self._trees)
+                           if c is not None}.values():
+            if finished:
                 controller.forget(finished)
         if self._last is not None and _decode_only(sched, self._last[0]):
-            batch, controller, k, propose_seconds = self._last
-            controller.observe_cost(batch, k, step_seconds + propose_seconds)
+            batch, controller, k, propose_seconds, tree = self._last
+            seconds = step_seconds + propose_seconds
+            controller.observe_cost(batch, k, seconds)
+            if tree is not None and self.shape is not None and batch:
+                base = self.adaptive.cost(batch, 0)
+                if base:
+                    made = sum(len(out.new_token_ids) for out in outputs)
+                    self.shape.observe(tree, made / batch, seconds / batch / base)
         return finished
 
 
