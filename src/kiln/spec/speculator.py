@@ -266,9 +266,9 @@ class Speculator:
         for rid in finished:
             self._asked.pop(rid, None)
             self._match_of.pop(rid, None)
-        for controller in {id(c): c for c in (self.adaptive, self.lookup, *self._trees)
-                           if c is not None}.values():
-            if finished:
+        if finished:
+            for controller in {id(c): c for c in (self.adaptive, self.lookup, *self._trees)
+                               if c is not None}.values():  # each once
                 controller.forget(finished)
         if self._last is not None and _decode_only(sched, self._last[0]):
             batch, controller, k, propose_seconds, tree = self._last
