@@ -61,5 +61,6 @@ def speculator_path(name: str) -> Path:
         if preset.is_dir():
             return preset
     raise ValueError(f"speculator {name!r} is not a directory, a preset under "
-                     f"{speculators_home()} (build one with `kiln train-speculator --preset "
-                     f"{name}`), or one of {', '.join(FILE_FREE_METHODS)}")
+                     f"{speculators_home()} or shipped with kiln (build one with `kiln "
+                     f"train-speculator --preset {name}`), or one of "
+                     f"{', '.join(FILE_FREE_METHODS)}")
