@@ -279,7 +279,10 @@ def main() -> int:
                     runs.setdefault((name, domain, batch), []).append(run)
                 print(f"rep {rep} {domain:5s} batch {batch:11s} {name:13s} "
                       f"{run.tokens_per_s:6.1f} tok/s", flush=True)
-    report(runs, list(llms), args, run_log)
+    # which files each configuration drafted from (a preset trained here, or a shipped one)
+    sources = {n: llm.engine.config.speculative.model for n, llm in llms.items()
+               if llm.engine.config.speculative is not None}
+    report(runs, list(llms), args, run_log, sources)
     return 0
 
 
@@ -290,7 +293,8 @@ def paired(runs: list[Run], base: list[Run], field: str) -> float:
                              for r, b in zip(runs, base, strict=True))
 
 
-def report(runs: dict[tuple, list[Run]], names: list[str], args, run_log: list[dict]) -> None:
+def report(runs: dict[tuple, list[Run]], names: list[str], args, run_log: list[dict],
+           sources: dict[str, str | None]) -> None:
     rows = []
     for domain in args.domains:
         for batch in args.batches:
@@ -318,7 +322,7 @@ def report(runs: dict[tuple, list[Run]], names: list[str], args, run_log: list[d
               f"{acc} |")
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "cpu": cpu_summary(), "prose": prose_source(),
-                   "rows": rows, "runs": run_log}, f, indent=2)
+                   "speculators": sources, "rows": rows, "runs": run_log}, f, indent=2)
     plot(rows, str(args.out).removesuffix(".json") + ".png")
 
 
