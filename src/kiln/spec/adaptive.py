@@ -175,8 +175,8 @@ class AdaptiveK:
             if best == 0:
                 self._fade(request_ids)
             return best
-        interval = (min(2 * interval, self.max_explore_every) if best == last_best
-                    else self.explore_every)
+        interval = _next_interval(interval, best == last_best, self.explore_every,
+                                  self.max_explore_every)
         self._probe[bucket] = (n + interval, interval, best, count + 1)
         # the neighbours and k = 0 in turn: "no drafts" is the baseline every other arm is
         # judged against, so its cost must not go stale while drafting wins
@@ -252,8 +252,8 @@ class TreeChoice:
     chain; whether that pays depends on how a step's cost grows with its query tokens: on an
     AVX-512 BF16 CPU a 16-token step costs 1.6x a 1-token one; on an AVX2 CPU, where bf16
     weights are widened to fp32 (a 576x1536 linear: 329 us for 16 tokens, 98 for 2), lookup's
-    15-draft trees ran at 1.20x of no drafts on code and its chains at 1.36x (BENCHMARKS.md). Each shape has its own controllers for k (its own
-    acceptance and costs); this picks the shape with more tokens per unit of cost, measured
+    15-draft trees ran at 1.20x of no drafts on code and its chains at 1.36x (BENCHMARKS.md).
+    Each shape has its own controllers for k (its own acceptance and costs); this picks the shape with more tokens per unit of cost, measured
     over whole decode steps (k = 0 steps included: what each shape's controller actually
     makes of its steps). Each shape gets `warmup` steps first (trees first), then the better
     one runs and the other is re-measured in a probe step, first after `probe_every` steps;
@@ -279,12 +279,13 @@ class TreeChoice:
                 return tree
         self._steps += 1
         best = self.rate(True) > self.rate(False)
-        due, interval, last_best = self._probe or (self.probe_every, self.probe_every, best)
+        if self._probe is None:
+            self._probe = (self.probe_every, self.probe_every, best)
+        due, interval, last_best = self._probe
         if self._steps < due:
-            self._probe = (due, interval, last_best)
             return best
-        interval = (min(2 * interval, self.max_probe_every) if best == last_best
-                    else self.probe_every)
+        interval = _next_interval(interval, best == last_best, self.probe_every,
+                                  self.max_probe_every)
         self._probe = (self._steps + interval, interval, best)
         return not best
 
@@ -298,3 +299,9 @@ class TreeChoice:
         self._tokens[tree] = self._tokens[tree] * self.decay + tokens
         self._cost[tree] = self._cost[tree] * self.decay + cost
         self._seen[tree] += 1
+
+
+def _next_interval(interval: int, same_best: bool, first: int, most: int) -> int:
+    """Steps to the next probe: doubled (up to `most`) while probes keep finding the same
+    best choice, back to `first` when it changes."""
+    return min(2 * interval, most) if same_best else first

@@ -79,10 +79,13 @@ class Speculator:
         self.stats = SpecStats()
         # request -> (drafts asked, proposed, the controller whose k it was)
         self._asked: dict[str, tuple[int, int, AdaptiveK]] = {}
-        self._source = {id(self._trees[0]): config.method, id(self.adaptive): config.method}
-        for controller in (self.lookup, self._trees[1]):  # controller -> drafts' source
-            if controller is not None:
-                self._source[id(controller)] = "ngram"
+        self._source: dict[int, str] = {}  # controller -> its drafts' source
+        for model, lookup in ((self.adaptive, self.lookup), self._trees):
+            self._source[id(model)] = config.method
+            if lookup is not None:
+                self._source[id(lookup)] = "ngram"
+        self._controllers = list({id(c): c for c in (self.adaptive, self.lookup, *self._trees)
+                                  if c is not None}.values())  # each once
         self._last: tuple[int, AdaptiveK, int, float, bool | None] | None = None  # (batch,
         # controller, k, propose seconds, tree step or not (None: trees not allowed)) of
         # the step the last round planned
@@ -267,8 +270,7 @@ class Speculator:
             self._asked.pop(rid, None)
             self._match_of.pop(rid, None)
         if finished:
-            for controller in {id(c): c for c in (self.adaptive, self.lookup, *self._trees)
-                               if c is not None}.values():  # each once
+            for controller in self._controllers:
                 controller.forget(finished)
         if self._last is not None and _decode_only(sched, self._last[0]):
             batch, controller, k, propose_seconds, tree = self._last
