@@ -54,17 +54,14 @@ def test_the_shipped_code_head_is_lossless_and_accepted_on_held_out_code():
     llm = LLM(path, max_model_len=256, kv_cache_memory=32 << 20, speculator=str(head),
               speculative_config=SpeculativeConfig(adaptive=False))
     tok = llm.get_tokenizer()
-    prompts = [tok.encode(text[text.find("\nimport"):].strip(), add_special_tokens=False)[:96]
+    prompts = [{"prompt_token_ids": tok.encode(text[text.find("\nimport"):].strip(),
+                                               add_special_tokens=False)[:96]}
                for text in code_corpus("heldout")[:2]]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    with_head = [o.outputs[0].token_ids
-                 for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                       use_tqdm=False)]
+    with_head = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     stats = llm.engine.speculator.stats
     assert stats.num_verify_steps > 0 and stats.mean_accepted_length >= 0.6, stats
     llm.engine.speculator = None
     llm.engine.kv.set_prefix_caching(False)
-    plain = [o.outputs[0].token_ids
-             for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                   use_tqdm=False)]
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert with_head == plain
