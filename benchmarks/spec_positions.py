@@ -44,7 +44,7 @@ CONFIDENT = (1.0, 1.5, 2.0, 2.5)
 
 
 def continuations(domain: str, new_tokens: int, prompt_tokens: int) -> torch.Tensor:
-    from speculative import code_prompts, prose_prompts
+    from kiln.spec.data import code_prompts, prose_prompts
 
     llm = LLM(max_model_len=1024, num_threads=2)
     pick = code_prompts if domain == "code" else prose_prompts

@@ -43,7 +43,7 @@ from kiln import LLM, SamplingParams
 from kiln.bench.result import cpu_summary
 from kiln.config import MAX_TREE_DRAFTS, MAX_TREE_WIDTH, SpeculativeConfig
 from kiln.engine.core import EngineRequest
-from kiln.spec.data import code_corpus, prose_corpus, prose_source
+from kiln.spec.data import code_prompts, prose_prompts, prose_source
 from kiln.spec.resolve import speculator_path, speculators_home
 
 CONFIGS = {"off": None, "ngram": "ngram", "draft": "code-draft", "code-head": "code-head",
@@ -84,30 +84,6 @@ def tree_shape(name: str, args) -> tuple[int, int]:
         width, _, size = shape.partition("x")
         return int(width), int(size)
     return args.tree_width, args.tree_size
-
-
-def code_prompts(tok, n: int, tokens: int) -> list[list[int]]:
-    """The first `tokens` tokens of held-out stdlib files that open with real code."""
-    out = []
-    for text in code_corpus("heldout"):
-        body = text[text.find("\nimport"):] if "\nimport" in text else text
-        ids = tok.encode(body.strip(), add_special_tokens=False)
-        if len(ids) >= tokens:
-            out.append(ids[:tokens])
-        if len(out) == n:
-            break
-    return out
-
-
-def prose_prompts(tok, n: int, tokens: int) -> list[list[int]]:
-    """Consecutive `tokens`-token windows of the held-out prose texts, round robin (the
-    first window of every text, then the second ones, ...: with the pydoc topics there
-    are only 5 held-out texts, and batch 8 needs 8 prompts)."""
-    docs = [tok.encode(text, add_special_tokens=False) for text in prose_corpus("heldout")]
-    out = []
-    for start in range(0, max(map(len, docs)), tokens):
-        out += [ids[start:start + tokens] for ids in docs if len(ids) >= start + tokens]
-    return out[:n]
 
 
 @dataclass

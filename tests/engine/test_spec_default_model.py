@@ -46,17 +46,14 @@ def test_the_shipped_code_head_is_lossless_and_accepted_on_held_out_code():
     output token-identical, and is accepted on stdlib files it never trained on (0.91 drafts
     accepted per verify step of 3 on these prompts when it was committed)."""
     from kiln.models.default import default_model_path
-    from kiln.spec.data import code_corpus
+    from kiln.spec.data import code_prompts
     from kiln.spec.resolve import SHIPPED
 
     path, head = str(default_model_path()), SHIPPED / "code-head"
     assert (head / "speculator.json").is_file(), "the package ships no code head"
     llm = LLM(path, max_model_len=256, kv_cache_memory=32 << 20, speculator=str(head),
               speculative_config=SpeculativeConfig(adaptive=False))
-    tok = llm.get_tokenizer()
-    prompts = [{"prompt_token_ids": tok.encode(text[text.find("\nimport"):].strip(),
-                                               add_special_tokens=False)[:96]}
-               for text in code_corpus("heldout")[:2]]
+    prompts = [{"prompt_token_ids": p} for p in code_prompts(llm.get_tokenizer(), 2, 96)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     with_head = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     stats = llm.engine.speculator.stats

@@ -130,6 +130,30 @@ def domain_corpus(domain: str, split: str = "train") -> list[str]:
     return code_corpus(split) if domain == "code" else prose_corpus(split)
 
 
+def code_prompts(tok, n: int, tokens: int) -> list[list[int]]:
+    """The first `tokens` tokens of held-out stdlib files that open with real code."""
+    out = []
+    for text in code_corpus("heldout"):
+        body = text[text.find("\nimport"):] if "\nimport" in text else text
+        ids = tok.encode(body.strip(), add_special_tokens=False)
+        if len(ids) >= tokens:
+            out.append(ids[:tokens])
+        if len(out) == n:
+            break
+    return out
+
+
+def prose_prompts(tok, n: int, tokens: int) -> list[list[int]]:
+    """Consecutive `tokens`-token windows of the held-out prose texts, round robin (the
+    first window of every text, then the second ones, ...: with the pydoc topics there
+    are only 5 held-out texts, and batch 8 needs 8 prompts)."""
+    docs = [tok.encode(text, add_special_tokens=False) for text in prose_corpus("heldout")]
+    out = []
+    for start in range(0, max(map(len, docs)), tokens):
+        out += [ids[start:start + tokens] for ids in docs if len(ids) >= start + tokens]
+    return out[:n]
+
+
 def read_text_files(paths: Iterable[str]) -> list[str]:
     """Files, and text files under directories (.py .txt .md .rst), sorted."""
     texts = []
