@@ -14,6 +14,9 @@ from kiln.config import SpeculativeConfig
 # thread-safe ("cannot import name 'AutoTokenizer'"). To be fixed in kiln.structured.
 PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return",
            "The capital of France is Paris. The capital of Germany is"]
+# the shipped prose head's floor: 1.18 drafts accepted per verify step of 3 on the two held-out
+# windows of the Python documentation (python3-doc installed), 0.54 on the pydoc topics' when not
+PROSE_FLOOR = 0.4
 
 
 @pytest.mark.slow  # about 30 s of CPU: two 135M-model generations plus loading
@@ -40,25 +43,51 @@ def test_default_model_greedy_is_identical_with_a_head(tmp_path):
     assert with_head == plain
 
 
-def test_the_shipped_code_head_is_lossless_and_accepted_on_held_out_code():
-    """The code head shipped in the package (kiln/spec/presets/code-head, trained by
-    `kiln train-speculator --preset code-head`) loads on the default model, keeps greedy
-    output token-identical, and is accepted on stdlib files it never trained on (0.91 drafts
-    accepted per verify step of 3 on these prompts when it was committed)."""
+@pytest.mark.parametrize("name, prompts, floor", [
+    ("code-head", "code_prompts", 0.6),
+    ("prose-head", "prose_prompts", PROSE_FLOOR),
+])
+def test_a_shipped_head_is_lossless_and_accepted_on_its_own_held_out_domain(name, prompts, floor):
+    """The heads shipped in the package (kiln/spec/presets/NAME, trained by `kiln
+    train-speculator --preset NAME`) load on the default model, keep greedy output
+    token-identical, and are accepted on text of their domain they never trained on: two
+    held-out stdlib files for the code head (0.91 drafts accepted per verify step of 3 when it
+    was committed), two held-out windows of prose for the prose head (PROSE_MEASURED)."""
     from kiln.models.default import default_model_path
-    from kiln.spec.data import code_prompts
+    from kiln.spec import data
     from kiln.spec.resolve import SHIPPED
 
-    path, head = str(default_model_path()), SHIPPED / "code-head"
-    assert (head / "speculator.json").is_file(), "the package ships no code head"
+    path, head = str(default_model_path()), SHIPPED / name
+    assert (head / "speculator.json").is_file(), f"the package ships no {name}"
     llm = LLM(path, max_model_len=256, kv_cache_memory=32 << 20, speculator=str(head),
               speculative_config=SpeculativeConfig(adaptive=False))
-    prompts = [{"prompt_token_ids": p} for p in code_prompts(llm.get_tokenizer(), 2, 96)]
+    tok = llm.get_tokenizer()
+    requests = [{"prompt_token_ids": p} for p in getattr(data, prompts)(tok, 2, 96)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    with_head = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with_head = [o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)]
     stats = llm.engine.speculator.stats
-    assert stats.num_verify_steps > 0 and stats.mean_accepted_length >= 0.6, stats
+    assert stats.num_verify_steps > 0 and stats.mean_accepted_length >= floor, stats
     llm.engine.speculator = None
     llm.engine.kv.set_prefix_caching(False)
-    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert with_head == plain
+    plain = [o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)]
+    _assert_same_up_to_ties(path, [r["prompt_token_ids"] for r in requests], with_head, plain)
+
+
+def _assert_same_up_to_ties(path, prompts, with_head, plain, tolerance=0.1):
+    """Greedy outputs equal, or equal up to a first difference where HF transformers (fp32,
+    the ground truth) scores both tokens within `tolerance` (under one bf16 step at these
+    logits' size, 0.125 between 16 and 32): a verify step's query of 1 + k tokens sums its
+    bf16 products in another order than a one-token step, which can flip a tie (the prose
+    head's second held-out window: ' scripts' 22.823 against ' code' 22.795)."""
+    from transformers import AutoModelForCausalLM
+
+    model = None
+    for prompt, a, b in zip(prompts, with_head, plain, strict=True):
+        if a == b:
+            continue
+        i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        model = model or AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(b[:i])])).logits[0, -1]
+        gap = abs(logits[a[i]] - logits[b[i]]).item()
+        assert gap < tolerance and logits.max() - logits[b[i]] < tolerance, (i, a[i], b[i], gap)
