@@ -6,10 +6,12 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kiln.config import SpeculativeConfig
 from kiln.spec.adaptive import AdaptiveK, TreeChoice, batch_bucket
-from kiln.spec.ngram import ngram_match, ngram_tree, propose_ngram
+from kiln.spec.ngram import TokenIndex, ngram_match, ngram_tree, propose_ngram
 from kiln.spec.proposer import Draft, DraftTrie
 from kiln.spec.resolve import resolve_speculative_config
 
@@ -31,6 +33,34 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert ngram_match(np.asarray([7, 8, 9, 4, 1, 9, 0, 7, 8, 9]), 3, 1, 4) == ([4, 1, 9], 3)
     assert ngram_match(np.asarray([5, 6, 5]), 2, 1, 4) == ([6, 5], 1)
     assert ngram_match(np.asarray([1, 2, 3]), 3, 1, 4) == ([], 0)
+
+
+def _lookup_by_windows(tokens, k, n_min, n_max):
+    """The definition, spelled out: for n from n_max down, every earlier window equal to
+    the last n tokens; the latest one followed by k tokens, else the earliest."""
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        starts = [s for s in range(size - n) if tokens[s:s + n] == tokens[size - n:]]
+        if starts:
+            full = [s for s in starts if s + n + k <= size]
+            start = (full[-1] if full else starts[0]) + n
+            return tokens[start:start + k], n
+    return [], 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 4), st.integers(1, 3),
+       st.integers(0, 3))
+def test_ngram_lookup_matches_its_definition(tokens, k, n_min, extra):
+    # lookup reads an index of where each token occurs, extending the last token's earlier
+    # occurrences backwards: same answer as the definition, whether the index was built at
+    # once or kept up to date token by token (as the engine does for each request)
+    want = _lookup_by_windows(tokens, k, n_min, n_min + extra)
+    assert ngram_match(np.asarray(tokens, dtype=np.int64), k, n_min, n_min + extra) == want
+    index = TokenIndex()
+    for i in range(len(tokens) + 1):
+        index.update(tokens[:i])
+    assert index.match(k, n_min, n_min + extra) == want
 
 
 def test_ngram_without_a_match_proposes_nothing():

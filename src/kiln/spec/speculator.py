@@ -24,14 +24,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from kiln.config import SpeculativeConfig
 from kiln.engine.outputs import EngineCoreOutput
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.spec.adaptive import AdaptiveK, TreeChoice
-from kiln.spec.ngram import ngram_match, ngram_tree
+from kiln.spec.ngram import RequestIndexes
 from kiln.spec.proposer import Draft, DraftRequest, DraftTrie, ProposerContext, build_proposer
 
 # (request, drafts) -> how many leading drafts to keep
@@ -94,6 +92,7 @@ class Speculator:
         # are right far less often than four-token ones, and on prose less than a head
         self._by_match: dict[int, list[float]] = {}
         self._match_of: dict[str, int] = {}  # request -> its lookup drafts' match length
+        self._indexes = RequestIndexes()  # ngram_first: each request's tokens, for lookup
 
     def _controller(self) -> AdaptiveK:
         c = self.config
@@ -122,6 +121,7 @@ class Speculator:
             self._store(w, draft, source)
         if finished:
             self.proposer.release(finished)
+        self._indexes.release(finished + sched.finished_ids)  # aborted ones too
         self._last = (len(candidates), *planned, time.perf_counter() - started, tree)
 
     def _propose_lookup_first(self, sched: SchedulerOutput, candidates: list[Request],
@@ -187,11 +187,11 @@ class Speculator:
     def _lookup(self, request: Request, width: int) -> tuple[Draft, int]:
         """Lookup's drafts for a request (a tree with width > 1) and the length of the
         suffix they matched (0: none)."""
-        c, tokens = self.config, np.asarray(request.all_token_ids)
+        c, index = self.config, self._indexes.of(request)
         k = self._cap(request, c.num_speculative_tokens)
         if width > 1:
-            return ngram_tree(tokens, k, c.ngram_min, c.ngram_max, width, c.tree_size)
-        chain, n = ngram_match(tokens, k, c.ngram_min, c.ngram_max)
+            return index.tree(k, c.ngram_min, c.ngram_max, width, c.tree_size)
+        chain, n = index.match(k, c.ngram_min, c.ngram_max)
         return Draft(chain), n
 
     def _lookup_pays(self, batch: int, match_length: int, request_id: str, model: AdaptiveK,
