@@ -157,6 +157,27 @@ def test_two_controllers_share_the_no_drafts_baseline():
     assert lookup.choose(1) == 3 and chosen[-100:].count(0) >= 90
 
 
+def test_adaptive_weighs_the_step_when_only_some_of_the_batch_drafts():
+    """Lookup drafts only for the requests whose text has a match: drafting for 2 of 8 must
+    pay with what those 2 gain in the step, where the other 6 make one token each (a head's
+    drafting and the verify step cost about the same either way)."""
+    def run(outcomes: list[int]) -> list[int]:
+        adaptive, ids, chosen = AdaptiveK(max_k=3), ["a", "b"], []
+        for step in range(300):
+            k = adaptive.choose(8, ids)
+            chosen.append(k)
+            for rid in ids:
+                adaptive.observe_acceptance(k, min(k, outcomes[step % len(outcomes)]), rid)
+            # 8 sequences; drafting: a fixed 5% (the proposer) + 25% per draft, for 2 of 8
+            adaptive.observe_cost(8, k, 8 * (1.05 + 0.25 * k * 2 / 8) if k else 8.0)
+        return chosen
+    # half their drafts accepted: 1.88 tokens each at k = 3, 1.52x what a plain step makes
+    # for them, but the step makes 1.22x for 1.24x the time
+    assert run([0, 0, 0, 0, 1, 1, 2, 3])[-100:].count(0) >= 90
+    # all accepted: the step makes 1.75x for 1.24x the time
+    assert run([3])[-100:].count(3) >= 90
+
+
 def steps_until_off(adaptive: AdaptiveK, ids: list[str], judge_by_request: bool) -> int:
     """Steps until a batch of new requests whose drafts are never accepted stops drafting."""
     cost = lambda b, k: b * (1 + 0.2 * k)  # noqa: E731  compute-bound batch

@@ -10,6 +10,8 @@ step we pick the k with the most expected tokens per second, from measurements:
   tokens(k) = 1 + sum_{i=1..k} a_1 * ... * a_i    a_i: measured P(draft i was proposed and
                                                   accepted | i were asked for, i - 1 accepted),
                                                   averaged over the requests to draft for
+  step(k)   = (m * tokens(k) + (b - m)) / b      per sequence of a step of b where m draft
+                                                  (lookup drafts only where it has a match)
   cost(b, k) = measured seconds per sequence of a step at batch size bucket b verifying k
                drafts, proposer time included (decode-only steps; the lower quartile of
                the last 9, so a stall caused by someone else's process cannot flip the
@@ -18,7 +20,7 @@ step we pick the k with the most expected tokens per second, from measurements:
                so cost(b, k) = (its lower-quartile ratio) * cost(b, 0): on a shared machine
                absolute step times drift 2x within minutes, and an arm probed in a quiet
                moment must not look cheap against a baseline measured in a busy one
-  k* = argmax_k tokens(k) / cost(b, k), over k = 0 and the k that beat k = 0 by 10%
+  k* = argmax_k step(k) / cost(b, k), over k = 0 and the k that beat k = 0 by 10%
 
 Acceptance is judged per request: each keeps its own counts (fading by 0.95 per
 verification), which start from the estimate over all traffic (fading by 0.995) worth two
@@ -168,7 +170,7 @@ class AdaptiveK:
                    if self._arm(bucket, k).samples < self.min_samples]
         if untried:
             return untried[0]
-        best = self._best(bucket, request_ids)
+        best = self._best(batch_size, request_ids)
         due, interval, last_best, count = self._probe.setdefault(
             bucket, (n + self.explore_every, self.explore_every, best, 0))
         if n < due:
@@ -183,13 +185,19 @@ class AdaptiveK:
         probes = sorted({k for k in (0, best - 1, best + 1) if 0 <= k <= self.max_k} - {best})
         return probes[count % len(probes)]
 
-    def _best(self, bucket: int, request_ids: Sequence[str]) -> int:
+    def _best(self, batch_size: int, request_ids: Sequence[str]) -> int:
         """The k with the most expected tokens per second among those that beat no drafts
         by `margin`: estimates are noisy, and a wrong "drafting pays" costs far more than a
         missed marginal gain (at large batches a step verifying drafts is dear, and sequences
-        that race ahead leave the others decoding in smaller batches)."""
-        rate = [self.expected_tokens(k, request_ids) / self._seconds(bucket, k)
-                for k in range(self.max_k + 1)]
+        that race ahead leave the others decoding in smaller batches). Tokens are the step's:
+        where only some of the batch would draft (`request_ids`, the ones lookup has a
+        match for), the others make one token each, so drafting for 2 of 8 must pay with
+        what those 2 gain, not as if all 8 gained it."""
+        bucket = batch_bucket(batch_size)
+        drafting = min(len(request_ids), batch_size) if request_ids else batch_size
+        rest = (batch_size - drafting) / batch_size
+        rate = [((1 - rest) * self.expected_tokens(k, request_ids) + rest)
+                / self._seconds(bucket, k) for k in range(self.max_k + 1)]
         paying = [k for k in range(1, self.max_k + 1) if rate[k] > rate[0] * (1 + self.margin)]
         return max(paying, key=lambda k: rate[k], default=0)
 
