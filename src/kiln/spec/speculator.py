@@ -108,9 +108,14 @@ class Speculator:
         width = self.config.tree_width if tree else 1
         model, lookup = self._trees if tree else (self.adaptive, self.lookup)
         if lookup is None:
-            k = (model.choose(len(candidates), [r.request_id for r in candidates])
-                 if candidates else 0)
-            wanted = [DraftRequest(r, n, width) for r in candidates
+            drafting = candidates
+            if self.config.method == "ngram":  # lookup drafts only where the text has a match
+                c = self.config
+                drafting = [r for r in candidates
+                            if self._indexes.of(r).match(1, c.ngram_min, c.ngram_max)[1]]
+            k = (model.choose(len(candidates), [r.request_id for r in drafting])
+                 if drafting else 0)
+            wanted = [DraftRequest(r, n, width) for r in drafting
                       if (n := self._cap(r, k)) > 0]
             drafts = self.proposer.propose(sched, wanted)
             sources, planned = [model] * len(wanted), (model, k)
