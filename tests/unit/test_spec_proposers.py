@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from kiln.spec.adaptive import AdaptiveK, TreeChoice, batch_bucket
 from kiln.spec.ngram import TokenIndex, ngram_match, ngram_tree, propose_ngram
 from kiln.spec.proposer import Draft, DraftTrie
 from kiln.spec.resolve import resolve_speculative_config
+from kiln.spec.speculator import Speculator
 
 
 def ngram(tokens, k=3, n_min=1, n_max=4):
@@ -391,3 +393,25 @@ def test_head_tree_keeps_its_likeliest_nodes_likeliest_first():
     # the 5 likeliest: 10, then 20 and its child 30 (a tie: the shallower first), 31, 21
     assert _best_nodes(nodes, 5) == Draft([10, 20, 30, 31, 21], None, [-1, 0, 1, 1, 0])
     assert _best_nodes(nodes, 3) == Draft([10, 20, 30], None, [-1, 0, 1])
+
+
+def test_a_draining_batch_drafts_only_for_the_requests_furthest_from_done():
+    """Once no request waits for a slot, drafts for a request ahead of the others only make
+    the steps of the ones behind dearer (the batch takes as long as its last request)."""
+    def request(rid, output, max_tokens, prompt=10):
+        return SimpleNamespace(request_id=rid, num_output_tokens=output,
+                               num_tokens=prompt + output,
+                               params=SimpleNamespace(max_tokens=max_tokens))
+
+    spec = Speculator.__new__(Speculator)
+    spec.max_model_len = 100
+    batch = [request("ahead", 30, 48), request("behind", 20, 48), request("tied", 20, 48),
+             request("short", 0, 8)]
+    spec.scheduler = SimpleNamespace(num_waiting=3)
+    assert spec._laggards(batch) == batch  # requests wait: every slot refills, all may draft
+    spec.scheduler = SimpleNamespace(num_waiting=0)
+    assert [r.request_id for r in spec._laggards(batch)] == ["behind", "tied"]
+    # no max_tokens: what is left of the context
+    batch.append(request("open", 5, None, prompt=40))
+    assert [r.request_id for r in spec._laggards(batch)] == ["open"]
+    assert spec._laggards(batch[:1]) == batch[:1]
