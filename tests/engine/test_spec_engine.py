@@ -164,8 +164,8 @@ def test_ngram_first_lookup_and_model_each_draft_their_own_k(k_model, k_lookup, 
     llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
               speculative_config=dataclasses.replace(FORCED, ngram_first=True))
     spec = llm.engine.speculator
-    spec.adaptive.choose = lambda batch, ids=(): k_model
-    spec.lookup.choose = lambda batch, ids=(): k_lookup
+    spec.adaptive.choose = lambda batch, ids=(), left=None: k_model
+    spec.lookup.choose = lambda batch, ids=(), left=None: k_lookup
     asked, stored = [], {"model": [], "lookup": []}
     inner_propose, inner_store = spec.proposer.propose, spec._store
     spec.proposer.propose = lambda sched, wanted: asked.extend(
@@ -199,7 +199,7 @@ def test_ngram_first_gives_a_match_length_lookup_misses_on_to_the_model(
               speculative_config=dataclasses.replace(FORCED, adaptive=adaptive,
                                                      ngram_first=True))
     spec = llm.engine.speculator
-    spec.adaptive.choose = spec.lookup.choose = lambda batch, ids=(): 3
+    spec.adaptive.choose = spec.lookup.choose = lambda batch, ids=(), left=None: 3
     spec.adaptive.expected_tokens = lambda k, ids=(): model_promises
     if adaptive:
         spec.adaptive.cost = spec.lookup.cost = lambda batch, k: None  # tokens decide alone
@@ -276,7 +276,7 @@ def test_head_that_never_drafts_never_runs(reference, llama_path, head_path):
               speculative_config=FORCED)
     spec = llm.engine.speculator
     forced = spec.adaptive.choose
-    spec.adaptive.choose = lambda batch, ids=(): 0
+    spec.adaptive.choose = lambda batch, ids=(), left=None: 0
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
     head = spec.proposer
     assert not head.pending and not head.drafted

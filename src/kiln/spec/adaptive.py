@@ -21,6 +21,8 @@ step we pick the k with the most expected tokens per second, from measurements:
                absolute step times drift 2x within minutes, and an arm probed in a quiet
                moment must not look cheap against a baseline measured in a busy one
   k* = argmax_k step(k) / cost(b, k), over k = 0 and the k that beat k = 0 by 10%
+       (a draining batch, no request waiting: min over its requests of tokens per step
+       over tokens left, in place of step(k): it lasts as long as its slowest request)
 
 Acceptance is judged per request: each keeps its own counts (fading by 0.95 per
 verification), which start from the estimate over all traffic (fading by 0.995) worth two
@@ -50,7 +52,7 @@ on this machine; BENCHMARKS.md.)
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -155,9 +157,12 @@ class AdaptiveK:
 
     # -- decisions ------------------------------------------------------------------------
 
-    def choose(self, batch_size: int, request_ids: Sequence[str] = ()) -> int:
+    def choose(self, batch_size: int, request_ids: Sequence[str] = (),
+               left: Mapping[str, int] | None = None) -> int:
         """k for a step with `batch_size` sequences decoding, drafting for `request_ids`
-        (judged by their own acceptance; none given: by all traffic's)."""
+        (judged by their own acceptance; none given: by all traffic's). `left`: in a
+        draining batch (no request waiting for its slot), the tokens each of the batch's
+        requests has left to make, drafting or not (see `_best`)."""
         if not self.enabled:
             return self.max_k
         if batch_size < 1 or (self.max_batch_size is not None
@@ -170,7 +175,7 @@ class AdaptiveK:
                    if self._arm(bucket, k).samples < self.min_samples]
         if untried:
             return untried[0]
-        best = self._best(batch_size, request_ids)
+        best = self._best(batch_size, request_ids, left)
         due, interval, last_best, count = self._probe.setdefault(
             bucket, (n + self.explore_every, self.explore_every, best, 0))
         if n < due:
@@ -185,19 +190,32 @@ class AdaptiveK:
         probes = sorted({k for k in (0, best - 1, best + 1) if 0 <= k <= self.max_k} - {best})
         return probes[count % len(probes)]
 
-    def _best(self, batch_size: int, request_ids: Sequence[str]) -> int:
+    def _best(self, batch_size: int, request_ids: Sequence[str],
+              left: Mapping[str, int] | None = None) -> int:
         """The k with the most expected tokens per second among those that beat no drafts
         by `margin`: estimates are noisy, and a wrong "drafting pays" costs far more than a
         missed marginal gain (at large batches a step verifying drafts is dear, and sequences
         that race ahead leave the others decoding in smaller batches). Tokens are the step's:
         where only some of the batch would draft (`request_ids`, the ones lookup has a
         match for), the others make one token each, so drafting for 2 of 8 must pay with
-        what those 2 gain, not as if all 8 gained it."""
+        what those 2 gain, not as if all 8 gained it.
+
+        A draining batch (`left` given) is done when its slowest request is: the rate is
+        min over its requests of (tokens per step) / (tokens left), per second. Drafts that
+        race some requests ahead of the others free slots nobody fills and make the steps of
+        the ones still behind dearer: on the documentation's prose, closed batches of 8 with
+        lookup or a head ran at 0.89-0.96x of no drafts, judged by the step's tokens."""
         bucket = batch_bucket(batch_size)
-        drafting = min(len(request_ids), batch_size) if request_ids else batch_size
-        rest = (batch_size - drafting) / batch_size
-        rate = [((1 - rest) * self.expected_tokens(k, request_ids) + rest)
-                / self._seconds(bucket, k) for k in range(self.max_k + 1)]
+        if left:
+            drafting = set(request_ids)
+            rate = [min((self._expected_tokens(k, rid) if rid in drafting else 1.0) / max(n, 1)
+                        for rid, n in left.items()) / self._seconds(bucket, k)
+                    for k in range(self.max_k + 1)]
+        else:
+            drafting = min(len(request_ids), batch_size) if request_ids else batch_size
+            rest = (batch_size - drafting) / batch_size
+            rate = [((1 - rest) * self.expected_tokens(k, request_ids) + rest)
+                    / self._seconds(bucket, k) for k in range(self.max_k + 1)]
         paying = [k for k in range(1, self.max_k + 1) if rate[k] > rate[0] * (1 + self.margin)]
         return max(paying, key=lambda k: rate[k], default=0)
 

@@ -108,41 +108,30 @@ class Speculator:
         tree = self._tree_step(batch)
         width = self.config.tree_width if tree else 1
         model, lookup = self._trees if tree else (self.adaptive, self.lookup)
-        candidates = self._laggards(candidates)
+        # a draining batch (no request waits for a slot: the end of an offline batch) lasts
+        # as long as its slowest request; drafting is judged by that (AdaptiveK.choose)
+        left = ({r.request_id: self._tokens_left(r) for r in candidates}
+                if batch > 1 and not self.scheduler.num_waiting else None)
         if lookup is None:
             drafting = candidates
             if self.config.method == "ngram":  # lookup drafts only where the text has a match
                 c = self.config
                 drafting = [r for r in candidates
                             if self._indexes.of(r).match(1, c.ngram_min, c.ngram_max)[1]]
-            k = model.choose(batch, [r.request_id for r in drafting]) if drafting else 0
+            k = model.choose(batch, [r.request_id for r in drafting], left) if drafting else 0
             wanted = [DraftRequest(r, n, width) for r in drafting
                       if (n := self._cap(r, k)) > 0]
             drafts = self.proposer.propose(sched, wanted)
             sources, planned = [model] * len(wanted), (model, k)
         else:
             wanted, drafts, sources, planned = self._propose_lookup_first(
-                sched, batch, candidates, width, model, lookup)
+                sched, batch, candidates, width, model, lookup, left)
         for w, draft, source in zip(wanted, drafts, sources, strict=True):
             self._store(w, draft, source)
         if finished:
             self.proposer.release(finished)
         self._indexes.release(finished + sched.finished_ids)  # aborted ones too
         self._last = (batch, *planned, time.perf_counter() - started, tree)
-
-    def _laggards(self, candidates: list[Request]) -> list[Request]:
-        """The requests that may draft this step: all of them while requests wait for a
-        slot; once none wait (the batch drains: the end of an offline batch), only those
-        with the most tokens left to make (by max_tokens). A draining batch takes as long as
-        its last request: a request that drafts its way ahead of the others finishes
-        earlier and leaves a slot nobody fills, so its drafts only make the steps of the
-        ones still behind dearer (on the documentation's prose, closed batches of 8 with a
-        head and lookup ran at 0.84-0.92x of no drafts where the others drafted too)."""
-        if len(candidates) < 2 or self.scheduler.num_waiting:
-            return candidates
-        left = [self._tokens_left(r) for r in candidates]
-        most = max(left)
-        return [r for r, n in zip(candidates, left, strict=True) if n == most]
 
     def _tokens_left(self, request: Request) -> int:
         room = self.max_model_len - request.num_tokens
@@ -152,24 +141,24 @@ class Speculator:
 
     def _propose_lookup_first(self, sched: SchedulerOutput, batch: int,
                               candidates: list[Request], width: int, model: AdaptiveK,
-                              lookup: AdaptiveK):
+                              lookup: AdaptiveK, left: dict[str, int] | None):
         """`ngram_first`: a request whose text has an n-gram match takes that match's drafts
         (up to the lookup controller's k) unless matches of its length have paid less than
         the proposer's drafts promise (`_lookup_pays`) and the proposer drafts this step;
         the proposer drafts for the others (up to its own k; it still sees every step, to
-        follow the target). `batch`: the sequences decoding (candidates: those that may
-        draft). Returns the wanted drafts, the drafts, each one's controller, and
-        (controller, k) the step's cost is booked to: the proposer's when it drafted (its
-        time is in the step), else lookup's."""
+        follow the target). `batch`: the sequences decoding; `left`: tokens left per
+        request in a draining batch. Returns the wanted drafts, the drafts, each one's
+        controller, and (controller, k) the step's cost is booked to: the proposer's when it
+        drafted (its time is in the step), else lookup's."""
         found = [self._lookup(r, width) for r in candidates]
         pays = [bool(f.token_ids) and self._lookup_pays(batch, n, r.request_id, model, lookup)
                 for r, (f, n) in zip(candidates, found, strict=True)]
         rest = [r for r, p in zip(candidates, pays, strict=True) if not p]
-        k_model = model.choose(batch, [r.request_id for r in rest]) if rest else 0
+        k_model = model.choose(batch, [r.request_id for r in rest], left) if rest else 0
         # a match passed over for the model still drafts in a step where the model does not
         matched = [(r, f, n) for r, (f, n), p in zip(candidates, found, pays, strict=True)
                    if f.token_ids and (p or not k_model)]
-        k_lookup = (lookup.choose(batch, [r.request_id for r, _, _ in matched])
+        k_lookup = (lookup.choose(batch, [r.request_id for r, _, _ in matched], left)
                     if matched else 0)
         to_model = [DraftRequest(r, n, width) for r in rest
                     if (n := self._cap(r, k_model)) > 0]
