@@ -2,7 +2,8 @@
 
   python benchmarks/speculative.py [--reps 3] [--max-tokens 48] [--out results.json]
 
-Configurations: off, n-gram, draft model (the `code-draft` preset), code head, prose head
+Configurations: off (and off-again, a second engine without drafts: the noise floor of a
+ratio), n-gram, draft model (the `code-draft` preset), code head, prose head
 (presets built by `kiln train-speculator --preset NAME`; missing ones are skipped), and each
 head with `ngram_first` ("+ng": an n-gram match's drafts where the text has one); draft trees
 ("-tree", "+ngt": --tree-width and --tree-size, or a shape of their own, NAME@WIDTHxSIZE, so
@@ -46,10 +47,14 @@ from kiln.engine.core import EngineRequest
 from kiln.spec.data import code_prompts, prose_prompts, prose_source
 from kiln.spec.resolve import speculator_path, speculators_home
 
-CONFIGS = {"off": None, "ngram": "ngram", "draft": "code-draft", "code-head": "code-head",
+CONFIGS = {"off": None, "off-again": None, "ngram": "ngram", "draft": "code-draft",
+           "code-head": "code-head",
            "prose-head": "prose-head", "code-head+ng": "code-head", "prose-head+ng": "prose-head",
            "ngram-tree": "ngram", "code-head-tree": "code-head", "prose-head-tree": "prose-head",
            "code-head+ngt": "code-head", "prose-head+ngt": "prose-head"}
+# "off-again": a second engine without drafts, measured like the others: the noise floor of
+# a ratio (two engines with the same weights and settings differ by a few percent here,
+# however many repetitions)
 # "+ng": SpeculativeConfig(ngram_first=True), an n-gram match's drafts where the text has one;
 # "-tree" and "+ngt": lookup drafts trees of --tree-width continuations (not in the default
 # set: `--configs off ngram ngram-tree`)
