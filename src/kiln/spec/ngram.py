@@ -59,8 +59,9 @@ class TokenIndex:
         self.where: dict[int, list[int]] = {}  # token -> its positions, ascending
 
     def update(self, tokens: Sequence[int]) -> TokenIndex:
-        """Index the tokens appended since the last update (all of them if the sequence
-        was not an extension of the one indexed)."""
+        """Index the tokens appended since the last update. A request's tokens only grow;
+        a sequence shorter than the one indexed, or differing at its last indexed token,
+        is indexed afresh (a cheap check, not a proof that it extends the old one)."""
         tokens = tokens.tolist() if hasattr(tokens, "tolist") else tokens
         seen = len(self.tokens)
         if len(tokens) < seen or (seen and tokens[seen - 1] != self.tokens[-1]):

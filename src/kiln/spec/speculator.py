@@ -92,7 +92,8 @@ class Speculator:
         # are right far less often than four-token ones, and on prose less than a head
         self._by_match: dict[int, list[float]] = {}
         self._match_of: dict[str, int] = {}  # request -> its lookup drafts' match length
-        self._indexes = RequestIndexes()  # ngram_first: each request's tokens, for lookup
+        # each request's tokens, for lookup (n-gram's own when it is the proposer)
+        self._indexes: RequestIndexes = getattr(self.proposer, "indexes", RequestIndexes())
 
     def _controller(self) -> AdaptiveK:
         c = self.config
@@ -134,6 +135,7 @@ class Speculator:
         self._last = (batch, *planned, time.perf_counter() - started, tree)
 
     def _tokens_left(self, request: Request) -> int:
+        """Tokens the request may still make: by max_tokens, else what the context holds."""
         room = self.max_model_len - request.num_tokens
         if request.params.max_tokens is None:
             return room
