@@ -18,7 +18,10 @@ are refilled, as on a server under load) and times only the steps where eight se
 decode and none prefills. Greedy decoding with ignore_eos, so
 every configuration emits exactly the same tokens and only the time differs.
 Speed-ups are paired: per repetition, a configuration's rate over "off"'s rate measured
-moments apart in the same case, then the median over repetitions.
+moments apart in the same case, then the median over repetitions, with a 95% bootstrap
+interval for that median (single paired runs of a closed batch of eight spread over
+0.8-1.2x on a shared 2-core machine). `--pool A.json B.json` reports earlier runs'
+repetitions together.
 
 Decode tokens/s = (tokens emitted after each request's first) / (time from the step where
 the last request got its first token to the end): prefill is excluded, the proposers' own
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 from transformers import AutoTokenizer  # noqa: F401  (import before engines start threads)
 
 from kiln import LLM, SamplingParams
+from kiln.bench.metrics import median_interval
 from kiln.bench.result import cpu_summary
 from kiln.config import MAX_TREE_DRAFTS, MAX_TREE_WIDTH, SpeculativeConfig
 from kiln.engine.core import EngineRequest
@@ -237,7 +241,17 @@ def main() -> int:
     parser.add_argument("--domains", nargs="+", default=["code", "prose"],
                         choices=["code", "prose"])
     parser.add_argument("--out", default="speculative-results.json")
+    parser.add_argument("--pool", nargs="+", metavar="JSON",
+                        help="run nothing: report the repetitions of these result files "
+                             "together (same configurations and cases)")
     args = parser.parse_args()
+    if args.pool:
+        runs, run_log, first = pooled_runs(args.pool)
+        for key in ("configs", "batches", "domains", "num_speculative_tokens"):
+            setattr(args, key, first["args"][key])
+        report(runs, [n for n in args.configs if (n, args.domains[0], args.batches[0]) in runs],
+               args, run_log, first["speculators"])
+        return 0
     llms = {n: llm for n in args.configs if (llm := build(n, args)) is not None}
     tok = next(iter(llms.values())).get_tokenizer()
     make = {"code": code_prompts, "prose": prose_prompts}
@@ -270,8 +284,30 @@ def main() -> int:
 def paired(runs: list[Run], base: list[Run], field: str) -> float:
     """Median over repetitions of this configuration's rate over "off"'s rate in the same
     repetition (run back to back): slow drifts in the machine's load cancel out."""
-    return statistics.median(getattr(r, field) / getattr(b, field)
-                             for r, b in zip(runs, base, strict=True))
+    return statistics.median(ratios(runs, base, field))
+
+
+def ratios(runs: list[Run], base: list[Run], field: str) -> list[float]:
+    return [getattr(r, field) / getattr(b, field) for r, b in zip(runs, base, strict=True)]
+
+
+def pooled_runs(paths: list[str]) -> tuple[dict[tuple, list[Run]], list[dict], dict]:
+    """The timed runs of earlier result files, as one run of their repetitions together
+    (each file's repetitions stay paired with that file's "off")."""
+    runs: dict[tuple, list[Run]] = {}
+    log: list[dict] = []
+    first = None
+    for i, path in enumerate(paths):
+        with open(path) as f:
+            data = json.load(f)
+        first = first or data
+        for entry in data["runs"]:
+            if entry["rep"]:
+                run = Run(*(entry[f] for f in Run.__dataclass_fields__))
+                runs.setdefault((entry["config"], entry["domain"], entry["batch"]),
+                                []).append(run)
+                log.append({**entry, "file": i})
+    return runs, log, first
 
 
 def report(runs: dict[tuple, list[Run]], names: list[str], args, run_log: list[dict],
@@ -287,20 +323,24 @@ def report(runs: dict[tuple, list[Run]], names: list[str], args, run_log: list[d
                              "tokens_per_s": round(statistics.median(
                                  r.tokens_per_s for r in rs), 2),
                              "speedup": round(paired(rs, base, "tokens_per_s"), 3),
+                             "speedup_ci": [round(x, 3) for x in median_interval(
+                                 ratios(rs, base, "tokens_per_s"))],
+                             "reps": len(rs),
                              "tokens_per_cpu_s": round(statistics.median(
                                  r.tokens_per_cpu_s for r in rs), 2),
                              "cpu_speedup": round(paired(rs, base, "tokens_per_cpu_s"), 3),
                              "mean_accepted": round(sum(r.accepted for r in rs) / steps, 2)
                              if steps else None,
                              "all": [round(r.tokens_per_s, 2) for r in rs]})
-    print("\n| domain | batch | config | decode tok/s | vs off | tok per CPU-s | vs off | "
-          f"accepted/verify (of {args.num_speculative_tokens}) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| domain | batch | config | decode tok/s | vs off | 95% interval | tok per CPU-s "
+          f"| vs off | accepted/verify (of {args.num_speculative_tokens}) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         acc = "-" if r["mean_accepted"] is None else f"{r['mean_accepted']:.2f}"
+        lo, hi = r["speedup_ci"]
         print(f"| {r['domain']} | {r['batch']} | {r['config']} | {r['tokens_per_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {r['tokens_per_cpu_s']:.1f} | {r['cpu_speedup']:.2f}x | "
-              f"{acc} |")
+              f"{r['speedup']:.2f}x | {lo:.2f}-{hi:.2f} | {r['tokens_per_cpu_s']:.1f} | "
+              f"{r['cpu_speedup']:.2f}x | {acc} |")
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "cpu": cpu_summary(), "prose": prose_source(),
                    "speculators": sources, "rows": rows, "runs": run_log}, f, indent=2)
@@ -319,7 +359,9 @@ def plot(rows: list[dict], path: str) -> None:
                              squeeze=False)
     for ax, (domain, batch) in zip(axes[0], cases, strict=True):
         case = [r for r in rows if (r["domain"], r["batch"]) == (domain, batch)]
-        ax.bar([r["config"] for r in case], [r["speedup"] for r in case], color="tab:orange")
+        ax.bar([r["config"] for r in case], [r["speedup"] for r in case], color="tab:orange",
+               yerr=[[r["speedup"] - r["speedup_ci"][0] for r in case],
+                     [r["speedup_ci"][1] - r["speedup"] for r in case]], capsize=2)
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_title(f"{domain} prompts, batch {batch}")
         ax.tick_params(axis="x", rotation=45)

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from kiln.bench.config import SLO, parse_slo
-from kiln.bench.metrics import Distribution, ErrorKind, RequestRecord, compute_metrics, meets_slo
+from kiln.bench.metrics import (
+    Distribution,
+    ErrorKind,
+    RequestRecord,
+    compute_metrics,
+    median_interval,
+    meets_slo,
+)
 from kiln.bench.runner import arrival_offsets
 
 
@@ -111,3 +118,19 @@ def test_burstiness_changes_spread_not_rate():
     assert gaps.mean() == pytest.approx(1 / 8.0, rel=0.05)
     assert gaps.std() / gaps.mean() == pytest.approx(0.5, rel=0.1)  # gamma: CV 1/sqrt(shape)
     assert arrival_offsets(3, None, 1.0, np.random.default_rng(0)) == [0.0, 0.0, 0.0]
+
+
+def test_median_interval_covers_the_median_and_narrows_with_more_repetitions():
+    rng = np.random.default_rng(0)
+    few, many = rng.normal(1.0, 0.1, 9).tolist(), rng.normal(1.0, 0.1, 36).tolist()
+    lo, hi = median_interval(few)
+    assert lo <= float(np.median(few)) <= hi
+    assert median_interval(few) == (lo, hi)  # seeded: a report is reproducible
+    lo36, hi36 = median_interval(many)
+    assert lo36 <= float(np.median(many)) <= hi36
+    assert hi36 - lo36 < hi - lo
+    # a constant has no spread; one far outlier barely moves a median's interval
+    assert median_interval([1.0] * 5) == (1.0, 1.0)
+    assert median_interval([*many, 50.0])[1] < 1.2
+    with pytest.raises(ValueError):
+        median_interval([])

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import random
+import statistics
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -157,3 +159,19 @@ def _cached(done: Sequence[RequestRecord]) -> tuple[int | None, float | None]:
         return None, None
     cached = sum(r.cached_tokens or 0 for r in reported)
     return cached, cached / sum(r.prompt_tokens or 0 for r in reported)
+
+
+def median_interval(values: Sequence[float], level: float = 0.95, resamples: int = 2000,
+                    seed: int = 0) -> tuple[float, float]:
+    """A bootstrap confidence interval for the median of `values` (seeded, so a report is
+    reproducible): the spread of the medians of `resamples` resamples with replacement.
+    Benchmarks on a shared machine report it beside a median of repetitions: paired runs
+    of a closed batch of eight spread over 0.8-1.2x on the 2-core machines here, so a
+    median of nine is good to about +-0.07 and one of thirty to about +-0.04."""
+    if not values:
+        raise ValueError("no values")
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values)))
+                     for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
