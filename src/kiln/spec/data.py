@@ -3,8 +3,9 @@
 Two built-in domains come from files every Python installation has, so anyone can rebuild
 the shipped speculators byte for byte on their own machine:
   code   the standard library's own source (`sysconfig` stdlib dir; no site-packages, no tests)
-  prose  the English reference documentation in `pydoc_data/topics.py` (what `help()` shows),
-         reflowed to running text
+  prose  the Python documentation's reStructuredText sources as Debian's `python3-doc`
+         installs them, reduced to running prose; without the package, the reference text
+         in `pydoc_data/topics.py` (what `help()` shows), reflowed
 A deterministic split by file or topic name keeps 1 in 10 aside (`split="heldout"`) for
 benchmark prompts, so a speculator is never measured on its own training text.
 

@@ -17,8 +17,10 @@ data); when the head reads the target's final hidden state, the labels are the t
 whole distribution there (soft labels over the draft vocabulary, recomputed from the
 recorded feature) plus a little of EAGLE-1's feature regression: dense signals that matter
 when the training data is a few tens of thousands of tokens. Forward passes run in bf16
-autocast where the CPU has bf16 arithmetic (fp32 elsewhere), and a share of the sequences is held out to report agreement on text the head
-did not train on.
+autocast where the CPU has bf16 arithmetic (fp32 elsewhere), and a share of the sequences is
+held out to report agreement on text the head did not train on: other windows of the same
+documents, so it reads higher than on documents never seen (benchmarks/head_agreement.py
+measures those: the benchmark's prompts).
 
 Draft model (`distill_draft`): a Llama with the target's embedding, first n layers and final
 norm (an early-exit model), trained by cross-entropy against the target's greedy tokens, then
