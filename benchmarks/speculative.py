@@ -363,6 +363,8 @@ def plot(rows: list[dict], path: str) -> None:
                yerr=[[r["speedup"] - r["speedup_ci"][0] for r in case],
                      [r["speedup_ci"][1] - r["speedup"] for r in case]], capsize=2)
         ax.axhline(1.0, color="gray", lw=0.8)
+        if batch != "1":  # the floor for batch 8
+            ax.axhline(0.95, color="tab:red", lw=0.6, ls="--")
         ax.set_title(f"{domain} prompts, batch {batch}")
         ax.tick_params(axis="x", rotation=45)
     axes[0][0].set_ylabel("decode tok/s vs off")

@@ -111,6 +111,20 @@ def test_adaptive_switches_off_when_drafts_cost_more_than_they_bring():
     assert sum(1 + k for k in later[-1000:]) / 1000 < 1.02
 
 
+def test_adaptive_dear_probes_wait_until_they_cost_half_a_percent():
+    """A head's probe at batch 8 costs 2-2.3 plain steps (it catches up on every position
+    since the last one): one in 96 steps would be 1.3% of the time for nothing."""
+    def probes(budget: float) -> tuple[int, float]:
+        adaptive = AdaptiveK(max_k=3, probe_budget=budget)
+        chosen = drive(adaptive, 8, lambda b, k: b * (1 + 1.3 * k), accept_len=0, steps=4000)
+        late = chosen[1000:]
+        return sum(k > 0 for k in late), sum(1.3 * k for k in late) / len(late)
+    dear, overhead = probes(0.005)
+    plain, plain_overhead = probes(1.0)  # no waiting beyond the usual backing off
+    assert overhead <= 0.006 < plain_overhead, (overhead, plain_overhead)
+    assert 0 < dear <= plain / 2, (dear, plain)
+
+
 def test_adaptive_backed_off_probes_still_notice_better_traffic():
     adaptive = AdaptiveK(max_k=3)
     cost = lambda b, k: 1.0 + 0.3 * k  # noqa: E731
