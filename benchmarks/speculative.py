@@ -26,9 +26,12 @@ repetitions together.
 Decode tokens/s = (tokens emitted after each request's first) / (time from the step where
 the last request got its first token to the end): prefill is excluded, the proposers' own
 prefill-time work is not. Tokens per CPU-second (this process's CPU time over the same span)
-is reported beside it: on a shared machine it moves much less with other people's load. Every configuration is warmed up once (adaptive speculation
-learns its costs), then the configurations run interleaved, in a shuffled order per
-repetition, and the median is reported. The machine is shared and noisy: figures are
+is reported beside it: on a shared machine it moves much less with other people's load. Every
+configuration is warmed up by one untimed pass over every case, as long as the timed ones
+(adaptive speculation tries each of its arms a few times per batch-size bucket first: a pass
+of 16 tokens left some of that for the timed repetitions, costing closed prose batches of 8
+with a head and lookup about 4%), then the configurations run interleaved, in a shuffled
+order per repetition, and the median is reported. The machine is shared and noisy: figures are
 indicative.
 """
 
@@ -221,8 +224,10 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--batch1-prompts", type=int, default=3)
-    parser.add_argument("--warmup-tokens", type=int, default=16,
-                        help="tokens per request in the untimed first pass")
+    parser.add_argument("--warmup-tokens", type=int, default=None,
+                        help="tokens per request in the untimed first pass (default: "
+                             "--max-tokens; with 16, adaptive speculation was still trying "
+                             "its arms in the first timed repetitions)")
     parser.add_argument("--prompt-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--num-speculative-tokens", type=int, default=3,
@@ -261,7 +266,7 @@ def main() -> int:
     for rep in range(args.reps + 1):  # rep 0 warms every configuration up
         order = list(llms)
         random.Random(rep).shuffle(order)
-        tokens = args.max_tokens if rep else args.warmup_tokens
+        tokens = args.max_tokens if rep else (args.warmup_tokens or args.max_tokens)
         for domain, batch, measure in cases(prompts, args.batch1_prompts, tokens):
             if batch not in args.batches:
                 continue
