@@ -1,0 +1,128 @@
+"""Does a head agree with the target more often on text that is not yet a loop when it has
+seen more such text? Record more openings continued briefly, fine-tune a shipped head on
+them, then measure it with `benchmarks/head_agreement.py`.
+
+  python benchmarks/early_finetune.py record --openings 4096 --seed 1 --out early-1.safetensors
+  python benchmarks/early_finetune.py tune --records REC [REC ...] --out DIR
+  python benchmarks/head_agreement.py --head DIR --prompts 32
+
+The default model's greedy continuation of a documentation page turns into a phrase loop
+after a few dozen tokens (docs/speculative.md), so most of a preset's 160-token training
+continuations are loop, and the benchmark's 48-token window is not. `record` self-distils
+fresh openings of the domain's training pages (as `kiln train-speculator --self-distill`
+does, other seeds giving other windows) with continuations just long enough for the window:
+48 tokens plus the draft steps the training unroll needs past it. `tune` goes on training a
+head (default: the domain's preset) on the first `--keep` positions of the given records,
+e.g. a preset's cached record (`$KILN_HOME/speculators/.records/*.safetensors`, written by
+`kiln train-speculator --preset prose-head`) with and without fresh ones: the same epochs
+on twice the distinct windows shows whether more data of this kind moves agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+from transformers import AutoTokenizer  # noqa: F401  (import before engines start threads)
+
+from kiln import LLM
+from kiln.config import CacheConfig, ModelConfig, ParallelConfig
+from kiln.runner.model_runner import ModelRunner
+from kiln.spec import data
+from kiln.spec.eagle import load_head, save_head
+from kiln.spec.resolve import speculator_path
+from kiln.spec.train import HeadTrainer, TrainConfig, _num_steps, split_sequences
+
+
+def _runner(model_path: str, threads: int | None) -> ModelRunner:
+    return ModelRunner(ModelConfig(model=model_path), model_path, CacheConfig(),
+                       ParallelConfig(threads), frozenset())
+
+
+def record(args: argparse.Namespace) -> None:
+    llm = LLM(num_threads=args.threads, max_num_seqs=128, max_num_batched_tokens=4096,
+              repetition_guard="off")
+    texts = data.domain_corpus(args.domain)
+    random.Random(args.seed).shuffle(texts)
+    prompts = data.continuation_prompts(data.tokenize_documents(llm.get_tokenizer(), texts),
+                                        args.openings, args.prompt_tokens, args.seed)
+    sequences: list[list[int]] = []
+    with Progress() as progress:
+        task = progress.add_task("the target continues the openings", total=len(prompts))
+        for start in range(0, len(prompts), 512):
+            sequences += data.generate_answers(llm, prompts[start:start + 512],
+                                               args.answer_tokens, ignore_eos=True,
+                                               show_progress=False)
+            progress.update(task, completed=len(sequences))
+    model_path = str(llm.engine.model_path)
+    del llm
+    head = load_head(speculator_path(args.head or f"{args.domain}-head"), torch.float32)
+    chunks = torch.tensor(sequences)
+    with Progress() as progress:
+        task = progress.add_task("recording the target", total=chunks.numel())
+        rec = data.record_target(_runner(model_path, args.threads), chunks,
+                                 head.c.feature_layers,
+                                 progress=lambda n: progress.advance(task, n))
+    rec.save(Path(args.out))
+    print(f"wrote {args.out}: {len(prompts)} openings of {args.prompt_tokens} tokens, "
+          f"each continued for {args.answer_tokens}")
+
+
+def tune(args: argparse.Namespace) -> None:
+    from kiln.engine.core import resolve_model_path
+
+    records = [data.TargetRecord.load(Path(p)) for p in args.records]
+    rec = data.TargetRecord(*(torch.cat([getattr(r, name)[:, :args.keep] for r in records])
+                              .contiguous() for name in ("tokens", "features", "labels")))
+    del records
+    init = load_head(speculator_path(args.head or f"{args.domain}-head"), torch.float32)
+    model_path = str(resolve_model_path(None))
+    cfg = TrainConfig(epochs=args.epochs, lr=args.lr, ttt_steps=3,
+                      feature_layers=tuple(init.c.feature_layers))
+    trainer = HeadTrainer(_runner(model_path, args.threads).model, rec, cfg,
+                          Path(model_path).name, init)
+    started = time.perf_counter()
+    with Progress() as progress:
+        total = _num_steps(len(split_sequences(len(rec.tokens), cfg)[0]), cfg)
+        task = progress.add_task(f"fine-tuning on {len(rec.tokens)} windows", total=total)
+        history = trainer.fit(lambda step, h: progress.update(task, completed=step))
+    save_head(trainer.head, Path(args.out), torch.bfloat16)
+    print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s; agreement per draft step "
+          f"on held-out windows {[round(x, 3) for x in history.eval_accuracy]})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record", help="self-distil and record fresh short continuations")
+    rec.add_argument("--openings", type=int, default=4096)
+    rec.add_argument("--prompt-tokens", type=int, default=96)
+    rec.add_argument("--answer-tokens", type=int, default=51,
+                     help="48 for the benchmark's window + 3 for the unrolled draft steps")
+    rec.add_argument("--seed", type=int, default=1, help="the presets use 0")
+    rec.add_argument("--out", required=True)
+    rec.set_defaults(func=record)
+    ft = sub.add_parser("tune", help="go on training a head on records' first positions")
+    ft.add_argument("--records", nargs="+", required=True)
+    ft.add_argument("--keep", type=int, default=147,
+                    help="positions of each window: opening + 51 tokens of continuation")
+    ft.add_argument("--epochs", type=int, default=3)
+    ft.add_argument("--lr", type=float, default=1e-3)
+    ft.add_argument("--out", required=True)
+    ft.set_defaults(func=tune)
+    for p in (rec, ft):
+        p.add_argument("--domain", choices=["code", "prose"], default="prose")
+        p.add_argument("--head", help="speculator (default: the domain's preset)")
+        p.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    args.func(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
