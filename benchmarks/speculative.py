@@ -7,7 +7,8 @@ ratio), n-gram, draft model (the `code-draft` preset), code head, prose head
 (presets built by `kiln train-speculator --preset NAME`; missing ones are skipped), and each
 head with `ngram_first` ("+ng": an n-gram match's drafts where the text has one); draft trees
 ("-tree", "+ngt": --tree-width and --tree-size, or a shape of their own, NAME@WIDTHxSIZE, so
-tree shapes compare in one run). Domains:
+tree shapes compare in one run); `--head NAME=DIR` adds a head of one's own as NAME and
+NAME+ngt, to compare two heads in one run. Domains:
 code prompts (the opening of held-out standard-library files) and prose prompts (windows of
 the held-out pages of the prose domain: the Python documentation when `python3-doc` is
 installed, else the pydoc topics), never text the speculators were trained on. Batch 1 runs three
@@ -43,6 +44,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from transformers import AutoTokenizer  # noqa: F401  (import before engines start threads)
 
@@ -67,6 +69,16 @@ CONFIGS = {"off": None, "off-again": None, "ngram": "ngram", "draft": "code-draf
 # set: `--configs off ngram ngram-tree`)
 DEFAULT_CONFIGS = [n for n in CONFIGS if not n.endswith(("tree", "+ngt"))]
 TREES = ("tree", "+ngt")
+
+
+def extra_head(spec: str) -> str:
+    """"NAME=DIR": registers a head directory as configurations NAME and NAME+ngt."""
+    name, eq, path = spec.partition("=")
+    if not eq or not name or name in CONFIGS or not (Path(path) / "speculator.json").is_file():
+        raise argparse.ArgumentTypeError(
+            f"{spec!r}: give NAME=DIR, a new name and a directory with a speculator.json")
+    CONFIGS[name] = CONFIGS[f"{name}+ngt"] = path
+    return spec
 
 
 def config_name(name: str) -> str:
@@ -238,6 +250,11 @@ def main() -> int:
                         help="always draft k (acceptance of k drafts, not what pays)")
     parser.add_argument("--tree-size", type=int, default=15,
                         help="most drafts per tree in the -tree and +ngt configs")
+    parser.add_argument("--head", action="append", default=[], metavar="NAME=DIR",
+                        type=extra_head,
+                        help="also offer the head in DIR as configurations NAME and "
+                             "NAME+ngt (two heads side by side in one run); give it "
+                             "before --configs")
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, type=config_name,
                         help=f"of {', '.join(CONFIGS)}; a tree one may name its own shape, "
                              "NAME@WIDTHxSIZE (prose-head+ngt@8x31)")
