@@ -196,6 +196,47 @@ def test_cli_self_distills_from_files(llama_path, tmp_path, monkeypatch, capsys)
     assert json.loads((head / "train.json").read_text())["command"]["self_distill"] is True
 
 
+def test_cli_preset_second_stage_goes_on_from_the_first(llama_path, tmp_path, monkeypatch,
+                                                         capsys):
+    """A preset with a `Refine` stage trains its head (kept under .stages), then goes on
+    training that head on fresh, shorter continuations into --out; the first stage is taken
+    as it is when the same command trained it before."""
+    from safetensors.torch import load_file
+
+    from kiln.cli import main
+    from kiln.spec import cli, data
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(data, "domain_corpus", lambda domain: [" ".join(SEEDS) * 10])
+    monkeypatch.setitem(cli.PRESETS, "code-head", cli.Preset(
+        "code", "head", 256, 1, cli.Refine(answer_tokens=8, tokens=8 * 16, seed=1, epochs=1,
+                                           lr=1e-3)))
+    out = tmp_path / "head"
+    command = ["train-speculator", "--preset", "code-head", "--model", llama_path,
+               "--prompt-tokens", "8", "--answer-tokens", "24", "--dtype", "float32",
+               "--out", str(out)]
+    assert main(command) == 0
+    first = tmp_path / "home" / "speculators" / ".stages" / "code-head-1"
+    meta = json.loads((out / "train.json").read_text())
+    assert meta["command"]["init"] == str(first)
+    assert (meta["command"]["seed"], meta["command"]["answer_tokens"],
+            meta["command"]["max_tokens"], meta["command"]["epochs"]) == (1, 8, 128, 1)
+    before = meta["previous_stage"]["command"]
+    assert (before["seed"], before["answer_tokens"], before["max_tokens"]) == (0, 24, 256)
+    assert before["out"] == str(first) and before["init"] is None
+    shapes = sorted(data.TargetRecord.load(p).tokens.shape[1]
+                    for p in (tmp_path / "home" / "speculators" / ".records").iterdir())
+    assert shapes == [16, 32]  # openings of 8 continued for 8, and for 24
+    one, two = load_file(first / "head.safetensors"), load_file(out / "head.safetensors")
+    assert one.keys() == two.keys()
+    assert any(not torch.equal(one[k], two[k]) for k in one)  # the second stage trained it
+    stamp = (first / "head.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(command) == 0
+    assert "trained by this command before" in capsys.readouterr().err
+    assert (first / "head.safetensors").stat().st_mtime_ns == stamp
+
+
 def test_cli_rejects_self_distill_of_prompts(llama_path, tmp_path, capsys):
     from kiln.cli import main
 

@@ -3,6 +3,10 @@
   kiln train-speculator --model M (--data FILES | --prompts FILE) --kind head|draft --out DIR
   kiln train-speculator --preset code-head          # built-in data, into $KILN_HOME/speculators
 
+A preset may have a second stage (prose-head): its head then goes on training on the target's
+short continuations of fresh openings (see `Refine`); the first stage's head is kept in
+$KILN_HOME/speculators/.stages.
+
 Steps: gather token chunks (from text files, or prompts answered first by the target itself),
 run the target over them recording its features and greedy choices, train, then write the
 speculator (safetensors + speculator.json), `loss.png` and `train.json` into DIR.
@@ -18,15 +22,45 @@ import random
 import time
 from pathlib import Path
 
-PRESETS = {  # name -> (domain, kind, self-distilled tokens, epochs (None: the kind's default)):
+
+@dataclasses.dataclass(frozen=True)
+class Refine:
+    """A preset's second stage: go on training its head (`--init`) on the target's short
+    continuations of fresh openings of the same domain. The default model's greedy text turns
+    into a phrase loop a few dozen tokens in (docs/speculative.md), so most of a 160-token
+    continuation is loop; text that is not yet a loop is what a head has to guess, and
+    agreement on it rises with the distinct windows of it seen (~0.1 accepted per verify step
+    per doubling)."""
+
+    answer_tokens: int  # continuation length: the benchmark's 48 + the 3 unrolled draft steps
+    tokens: int  # self-distilled tokens: openings x (prompt tokens + answer tokens)
+    seed: int  # other windows than the first stage's (seed 0)
+    epochs: int
+    lr: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    domain: str
+    kind: str
+    tokens: int  # self-distilled tokens
+    epochs: int | None  # None: the kind's default
+    refine: Refine | None = None
+
+
+PRESETS = {
     # the prose head trained 6 epochs on 1,048,576 tokens agrees with the target as often as
     # 3 epochs on twice the data did, 10 epochs more often still, and generating the data is
     # most of the time; the code head at 10 epochs: 0.76/0.63/0.49 held out at draft steps
     # 1/2/3, against 0.61/0.45/0.33 at 3; the prose head at 12 epochs 0.87/0.78/0.67, at 10
-    # 0.86/0.76/0.65 (BENCHMARKS.md, draft trees; code heads; trees of up to 31 drafts)
-    "code-head": ("code", "head", 1048576, 10),
-    "prose-head": ("prose", "head", 1048576, 12),
-    "code-draft": ("code", "draft", 524288, None),
+    # 0.86/0.76/0.65 (BENCHMARKS.md, draft trees; code heads; trees of up to 31 drafts);
+    # then 3 epochs on 12,288 fresh openings continued for 51 tokens (BENCHMARKS.md, "More
+    # windows of text that is not yet a loop", "The prose head in two stages")
+    "code-head": Preset("code", "head", 1048576, 10),
+    "prose-head": Preset("prose", "head", 1048576, 12,
+                         Refine(answer_tokens=51, tokens=12288 * (96 + 51), seed=1, epochs=3,
+                                lr=1e-3)),
+    "code-draft": Preset("code", "draft", 524288, None),
 }
 
 
@@ -60,8 +94,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-tokens", type=int, default=96,
                    help="--self-distill: tokens in each opening")
     p.add_argument("--epochs", type=int, default=None,
-                   help="default: code-head 10, prose-head 12; 2 draft; head 3 with "
-                        "--self-distill, else 5")
+                   help="default: code-head 10, prose-head 12 (its second stage: 3); 2 draft; "
+                        "head 3 with --self-distill, else 5")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=None, help="default: 3e-3 head, 1e-3 draft")
     p.add_argument("--ttt-steps", type=int, default=3, help="head: unrolled draft steps")
@@ -86,26 +120,70 @@ def run(args: argparse.Namespace) -> int:
 
     _apply_preset(args)
     console = Console(stderr=True)
+    refine = PRESETS[args.preset].refine if args.preset else None
+    if refine is None:
+        _stage(args, console)
+        return 0
+    first = _first_stage(args, console)
+    _stage(argparse.Namespace(**{
+        **vars(args), "self_distill": True, "answer_tokens": refine.answer_tokens,
+        "max_tokens": refine.tokens, "seed": refine.seed, "epochs": refine.epochs,
+        "lr": refine.lr, "init": str(first)}), console, previous=first)
+    return 0
+
+
+def _first_stage(args: argparse.Namespace, console) -> Path:
+    """A two-stage preset's first head, in $KILN_HOME/speculators/.stages/NAME-1: trained
+    there, or taken as it is when the same command trained it before (it is most of an hour
+    of training, and the second stage may be stopped)."""
+    from kiln.spec.resolve import speculators_home
+
+    out = speculators_home() / ".stages" / f"{args.preset}-1"
+    command = _command(argparse.Namespace(**{**vars(args), "out": str(out)}))
+    command.pop("threads")  # how many cores trained it does not change it
+    try:
+        done = json.loads((out / "train.json").read_text())["command"]
+        done = {k: v for k, v in done.items() if k != "threads"} == command
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        done = False
+    if done and (out / "speculator.json").is_file():
+        console.print(f"stage 1 of {args.preset}: {out} (trained by this command before)")
+        return out
+    console.print(f"stage 1 of {args.preset} -> {out}")
+    _stage(argparse.Namespace(**{**vars(args), "out": str(out)}), console)
+    return out
+
+
+def _command(args: argparse.Namespace) -> dict:
+    """The arguments as train.json records them (JSON types: a stage compares them)."""
+    return json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "func"}))
+
+
+def _stage(args: argparse.Namespace, console, previous: Path | None = None) -> None:
     started = time.perf_counter()
     plan = _Plan.from_args(args)
+    if previous is not None:
+        console.print(f"stage 2 of {args.preset}: go on training it on "
+                      f"{args.max_tokens // (args.prompt_tokens + args.answer_tokens)} "
+                      f"fresh openings continued for {args.answer_tokens} tokens")
     console.print(f"[bold]train-speculator[/]: {plan.kind} for {plan.model_path} "
                   f"from {plan.source} -> {plan.out}")
     plan.init = _init_head(args.init)
     record = _record(plan, console)
     trained, history = _train(plan, record, console)
-    _save(plan, trained, history, record, time.perf_counter() - started)
+    _save(plan, trained, history, record, time.perf_counter() - started, previous)
     held = " ".join(f"{x:.2f}" for x in history.eval_accuracy)
     console.print(f"wrote {plan.out} (loss {history.loss[0]:.3f} -> {history.loss[-1]:.3f}, "
                   f"held-out agreement {held or '-'}, {time.perf_counter() - started:.0f} s); "
                   f"use it with LLM(speculator={str(plan.out)!r})")
-    return 0
 
 
 def _apply_preset(args: argparse.Namespace) -> None:
     from kiln.cli import CliError
 
     if args.preset:
-        domain, kind, tokens, epochs = PRESETS[args.preset]
+        preset = PRESETS[args.preset]
+        domain, kind, tokens, epochs = preset.domain, preset.kind, preset.tokens, preset.epochs
         if args.kind not in (None, kind):
             raise CliError(f"--preset {args.preset} trains a {kind}, not a {args.kind}")
         args.kind, args.domain = kind, args.domain or domain
@@ -335,7 +413,8 @@ def _init_head(path: str | None):
         raise CliError(f"--init {path}: cannot load the head ({e})") from None
 
 
-def _save(plan: _Plan, trained, history, record, seconds: float) -> None:
+def _save(plan: _Plan, trained, history, record, seconds: float,
+          previous: Path | None = None) -> None:
     import torch
 
     from kiln.spec import train
@@ -350,11 +429,13 @@ def _save(plan: _Plan, trained, history, record, seconds: float) -> None:
         train.save_draft(trained, plan.model_path, plan.out, dtype, vocab)
     train.plot_history(history, plan.out / "loss.png",
                        f"{plan.kind} for {plan.model_path.name} ({plan.source})")
-    a = plan.args
-    (plan.out / "train.json").write_text(json.dumps({
+    meta = {
         "kind": plan.kind, "target": str(plan.model_path), "source": plan.source,
-        "command": {k: v for k, v in vars(a).items() if k != "func"},
+        "command": _command(plan.args),
         "train_config": dataclasses.asdict(plan.train_config()),
         "loss_first": history.loss[0], "loss_last": history.loss[-1],
         "agreement_last": history.accuracy[-1], "agreement_heldout": history.eval_accuracy,
-        "seconds": round(seconds, 1)}, indent=2))
+        "seconds": round(seconds, 1)}
+    if previous is not None:  # a preset's first stage, which --init names
+        meta["previous_stage"] = json.loads((previous / "train.json").read_text())
+    (plan.out / "train.json").write_text(json.dumps(meta, indent=2))
