@@ -139,18 +139,18 @@ def _first_stage(args: argparse.Namespace, console) -> Path:
     from kiln.spec.resolve import speculators_home
 
     out = speculators_home() / ".stages" / f"{args.preset}-1"
-    command = _command(argparse.Namespace(**{**vars(args), "out": str(out)}))
-    command.pop("threads")  # how many cores trained it does not change it
+    first = argparse.Namespace(**{**vars(args), "out": str(out)})
     try:
-        done = json.loads((out / "train.json").read_text())["command"]
-        done = {k: v for k, v in done.items() if k != "threads"} == command
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        done = False
-    if done and (out / "speculator.json").is_file():
+        before = json.loads((out / "train.json").read_text())["command"]
+    except (OSError, ValueError, KeyError, TypeError):
+        before = None
+    # how many cores trained it does not change it
+    if (isinstance(before, dict) and {**before, "threads": None} ==
+            {**_command(first), "threads": None} and (out / "speculator.json").is_file()):
         console.print(f"stage 1 of {args.preset}: {out} (trained by this command before)")
         return out
     console.print(f"stage 1 of {args.preset} -> {out}")
-    _stage(argparse.Namespace(**{**vars(args), "out": str(out)}), console)
+    _stage(first, console)
     return out
 
 
@@ -183,16 +183,15 @@ def _apply_preset(args: argparse.Namespace) -> None:
 
     if args.preset:
         preset = PRESETS[args.preset]
-        domain, kind, tokens, epochs = preset.domain, preset.kind, preset.tokens, preset.epochs
-        if args.kind not in (None, kind):
-            raise CliError(f"--preset {args.preset} trains a {kind}, not a {args.kind}")
-        args.kind, args.domain = kind, args.domain or domain
+        if args.kind not in (None, preset.kind):
+            raise CliError(f"--preset {args.preset} trains a {preset.kind}, not a {args.kind}")
+        args.kind, args.domain = preset.kind, args.domain or preset.domain
         if args.self_distill is None:
             args.self_distill = True
         if args.max_tokens is None and args.self_distill:
-            args.max_tokens = tokens
+            args.max_tokens = preset.tokens
         if args.self_distill:
-            args.epochs = args.epochs or epochs
+            args.epochs = args.epochs or preset.epochs
         if args.out is None:
             from kiln.spec.resolve import speculators_home
             args.out = str(speculators_home() / args.preset)
