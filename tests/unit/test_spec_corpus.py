@@ -101,11 +101,11 @@ def test_a_wrong_kiln_prose_docs_is_an_error_not_a_silent_fallback(tmp_path, mon
 
 def test_presets_carry_their_own_token_counts(tmp_path):
     """--preset prose-head and code-head self-distill 1,048,576 tokens and train 12 and 10
-    epochs, code-draft 524,288 and its kind's default, unless --max-tokens / --epochs say
-    otherwise."""
+    epochs (then both the same second stage), code-draft 524,288 and its kind's default,
+    unless --max-tokens / --epochs say otherwise."""
     import argparse
 
-    from kiln.spec.cli import _apply_preset, register
+    from kiln.spec.cli import PRESETS, _apply_preset, register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
@@ -118,5 +118,8 @@ def test_presets_carry_their_own_token_counts(tmp_path):
     assert tokens("--preset", "prose-head") == (1048576, "head", "prose", 12)
     assert tokens("--preset", "code-head") == (1048576, "head", "code", 10)
     assert tokens("--preset", "code-draft") == (524288, "draft", "code", None)
+    # both head presets go on to the same second stage; a draft model has none
+    assert PRESETS["code-head"].refine == PRESETS["prose-head"].refine is not None
+    assert PRESETS["code-draft"].refine is None
     assert tokens("--preset", "prose-head", "--max-tokens", "4096")[0] == 4096
     assert tokens("--preset", "prose-head", "--epochs", "2")[3] == 2

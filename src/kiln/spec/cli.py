@@ -3,7 +3,7 @@
   kiln train-speculator --model M (--data FILES | --prompts FILE) --kind head|draft --out DIR
   kiln train-speculator --preset code-head          # built-in data, into $KILN_HOME/speculators
 
-A preset may have a second stage (prose-head): its head then goes on training on the target's
+A head preset has a second stage: its head then goes on training on the target's
 short continuations of fresh openings (see `Refine`); the first stage's head is kept in
 $KILN_HOME/speculators/.stages.
 
@@ -48,6 +48,8 @@ class Preset:
     refine: Refine | None = None
 
 
+_FRESH_OPENINGS = Refine(answer_tokens=51, tokens=12288 * (96 + 51), seed=1, epochs=3, lr=1e-3)
+
 PRESETS = {
     # the prose head trained 6 epochs on 1,048,576 tokens agrees with the target as often as
     # 3 epochs on twice the data did, 10 epochs more often still, and generating the data is
@@ -55,11 +57,10 @@ PRESETS = {
     # 1/2/3, against 0.61/0.45/0.33 at 3; the prose head at 12 epochs 0.87/0.78/0.67, at 10
     # 0.86/0.76/0.65 (BENCHMARKS.md, draft trees; code heads; trees of up to 31 drafts);
     # then 3 epochs on 12,288 fresh openings continued for 51 tokens (BENCHMARKS.md, "More
-    # windows of text that is not yet a loop", "The prose head in two stages")
-    "code-head": Preset("code", "head", 1048576, 10),
-    "prose-head": Preset("prose", "head", 1048576, 12,
-                         Refine(answer_tokens=51, tokens=12288 * (96 + 51), seed=1, epochs=3,
-                                lr=1e-3)),
+    # windows of text that is not yet a loop", "The prose head in two stages"); the code head
+    # likewise ("The code head in two stages")
+    "code-head": Preset("code", "head", 1048576, 10, _FRESH_OPENINGS),
+    "prose-head": Preset("prose", "head", 1048576, 12, _FRESH_OPENINGS),
     "code-draft": Preset("code", "draft", 524288, None),
 }
 
@@ -94,7 +95,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-tokens", type=int, default=96,
                    help="--self-distill: tokens in each opening")
     p.add_argument("--epochs", type=int, default=None,
-                   help="default: code-head 10, prose-head 12 (its second stage: 3); 2 draft; "
+                   help="default: code-head 10, prose-head 12 (their second stage: 3); 2 draft; "
                         "head 3 with --self-distill, else 5")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=None, help="default: 3e-3 head, 1e-3 draft")
