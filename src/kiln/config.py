@@ -207,7 +207,8 @@ class SpeculativeConfig:
     # more tokens per unit of cost (spec/adaptive.py, TreeChoice)
     tree_width: int = 1
     # most drafts in one tree (SGLang's --speculative-num-draft-tokens): a tree's first this
-    # many nodes (the head's likeliest; in a merged tree the head's before lookup's)
+    # many nodes (the head's likeliest; in a merged tree lookup's first continuation, the
+    # head's, then lookup's others)
     tree_size: int = DEFAULT_TREE_DRAFTS
     # trees only in steps where at most this many sequences decode (chains above): at small
     # batches a step's cost hardly grows with its query tokens, at larger ones a tree's

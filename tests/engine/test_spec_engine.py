@@ -660,6 +660,42 @@ def test_trees_of_up_to_31_drafts_are_lossless(kernels, reference, llama_path, h
     assert 15 < max(sizes) <= 31 and len(sizes) > 1
 
 
+def test_a_full_merged_tree_keeps_lookups_first_continuation_whole(reference, llama_path,
+                                                                   head_path):
+    """A match passed over for the head joins its tree ahead of it: when the head's nodes
+    alone fill the tree (2 wide, 3 deep: 6 of 6), lookup's first continuation is still a
+    path from the root, and the head keeps what room is left; greedy output unchanged."""
+    _, ps, params, expected = reference
+    llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
+              speculative_config=SpeculativeConfig(adaptive=False, tree_width=2, tree_size=6,
+                                                   ngram_first=True, tree_max_batch=8))
+    spec, merged = llm.engine.speculator, []
+    spec._lookup_pays = lambda batch, n, *rest: False  # every match merges
+    real = spec._merge
+    spec._merge = lambda lookup, model, depth: merged.append(
+        (lookup, model, depth, real(lookup, model, depth))) or merged[-1][-1]
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+
+    def has_path(tree, tokens) -> bool:
+        node = -1
+        for token in tokens:
+            node = next((i for i, (t, p) in enumerate(zip(tree.token_ids, tree.parents or
+                         range(-1, len(tree.token_ids) - 1), strict=True))
+                         if p == node and t == token), None)
+            if node is None:
+                return False
+        return True
+
+    full = [(lk, m, d, out) for lk, m, d, out in merged if lk is not None and lk.token_ids
+            and len(m.token_ids) == 6]
+    assert full  # the head filled the tree and lookup had a match
+    for lookup, model, depth, out in full:
+        first = lookup.limit(depth, 6).main_chain().token_ids
+        assert len(out.token_ids) == 6 and has_path(out, first)
+        assert has_path(out, model.main_chain().token_ids[:1])  # the head's likeliest draft
+    assert any(not set(o.token_ids) <= set(m.token_ids) for _, m, _, o in full)
+
+
 @pytest.mark.parametrize("ngram_first", [False, True])
 def test_adaptive_trees_measure_trees_and_chains_and_stay_lossless(ngram_first, reference,
                                                                    llama_path, head_path):
