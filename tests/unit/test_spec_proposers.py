@@ -333,7 +333,7 @@ def test_a_preset_trained_here_wins_over_the_shipped_one(tmp_path, monkeypatch):
         resolve_speculative_config("prose-head")
 
 
-def test_serve_flags_carry_ngram_first_and_speculator_int8():
+def test_serve_flags_carry_ngram_first_speculator_int8_and_adaptive():
     from kiln.cli import build_parser
     from kiln.serve.cli import engine_config
 
@@ -350,6 +350,9 @@ def test_serve_flags_carry_ngram_first_and_speculator_int8():
              "--speculative-tree-size", "7"]
     spec = engine_config(build_parser(argv).parse_args(argv), 1).speculative
     assert (spec.tree_width, spec.tree_max_batch, spec.tree_size) == (3, 4, 7)
+    assert spec.adaptive
+    argv.append("--no-speculative-adaptive")
+    assert not engine_config(build_parser(argv).parse_args(argv), 1).speculative.adaptive
     with pytest.raises(ValueError, match=r"tree_width must be in \[1, 8\], got 9"):
         SpeculativeConfig(tree_width=9)
     assert SpeculativeConfig().tree_size == 15 and SpeculativeConfig(tree_size=31).tree_size == 31

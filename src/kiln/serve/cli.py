@@ -61,6 +61,11 @@ def engine_flags(g: argparse._ArgumentGroup) -> None:
                    help=f"draft trees: at most this many drafts per tree (1-{MAX_TREE_DRAFTS})")
     g.add_argument("--speculative-tree-max-batch", type=int, default=1,
                    help="draft trees only while at most this many sequences decode")
+    g.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="choose per step how many drafts, and a tree or a chain, by measured "
+                        "cost and acceptance; --no-speculative-adaptive always drafts "
+                        "--num-speculative-tokens (trees wherever they are allowed)")
     g.add_argument("--speculator-int8", action=argparse.BooleanOptionalAction, default=True,
                    help="a head's or draft model's weights int8 weight-only at decode sizes "
                         "(cheaper draft steps; output is exact either way)")
@@ -125,6 +130,7 @@ def engine_config(args: argparse.Namespace, threads: int | None) -> EngineConfig
         parallel=ParallelConfig(num_threads=threads),
         speculative=resolve_speculative_config(  # off unless --speculator names one
             args.speculator, SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens,
+                                               adaptive=args.speculative_adaptive,
                                                ngram_first=args.ngram_first,
                                                tree_width=args.speculative_tree_width,
                                                tree_size=args.speculative_tree_size,
