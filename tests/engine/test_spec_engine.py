@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.config import SpeculativeConfig
+from kiln.config import MAX_TREE_DRAFTS, SpeculativeConfig
 from kiln.engine.scheduler import tree_depths
-from kiln.spec.proposer import Draft, register_proposer
+from kiln.spec.proposer import Draft, DraftTrie, register_proposer
 
 FORCED = SpeculativeConfig(adaptive=False)  # always k = 3: every path gets exercised
 # the speculator's weights as stored (not int8): for tests that compare drafts with a dense
@@ -676,13 +676,11 @@ def test_a_full_merged_tree_keeps_lookups_first_continuation_whole(reference, ll
         (lookup, model, depth, real(lookup, model, depth))) or merged[-1][-1]
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
 
-    def has_path(tree, tokens) -> bool:
-        node = -1
+    def has_path(tree, tokens) -> bool:  # `tokens` a path down from the root of `tree`
+        trie, node = DraftTrie(MAX_TREE_DRAFTS), -1
+        trie.add_draft(tree)
         for token in tokens:
-            node = next((i for i, (t, p) in enumerate(zip(tree.token_ids, tree.parents or
-                         range(-1, len(tree.token_ids) - 1), strict=True))
-                         if p == node and t == token), None)
-            if node is None:
+            if (node := trie.children.get((node, token))) is None:
                 return False
         return True
 
