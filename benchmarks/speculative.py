@@ -12,7 +12,8 @@ NAME+ngt, to compare two heads in one run. Domains:
 code prompts (the opening of held-out standard-library files) and prose prompts (windows of
 the held-out pages of the prose domain: the Python documentation when `python3-doc` is
 installed, else the pydoc topics), never text the speculators were trained on. Batch 1 runs three
-prompts one after another; batch 8 runs eight together (a closed batch: timed to its last
+prompts one after another (`--batch1-prompts`); batches 2 and 4 (`--batches 1 2 4`) run the
+same prompts in closed batches of two and four; batch 8 runs eight together (a closed batch: timed to its last
 token, so it includes the ragged end where sequences that drafted well are done and the rest
 decode in a smaller batch); batch 8 sustained queues sixteen for eight slots (finished ones
 are refilled, as on a server under load) and times only the steps where eight sequences
@@ -215,16 +216,21 @@ def build(name: str, args) -> LLM | None:
                if speculator else None)
 
 
-BATCHES = ("1", "8", "8 sustained")
+BATCHES = ("1", "2", "4", "8", "8 sustained")
 
 
 def cases(prompts: dict[str, list[list[int]]], batch1_prompts: int, max_tokens: int):
-    """(domain, batch label, run): batch 1 = prompts one by one; batch 8 = eight together
-    (a closed batch, timed to its last token); batch 8 sustained = sixteen queued for eight
-    slots, timed over the full-batch decode steps."""
+    """(domain, batch label, run): batch 1 = prompts one by one; batch 2 and 4 = the same
+    prompts in closed batches of two and four; batch 8 = eight together (a closed batch, timed
+    to its last token); batch 8 sustained = sixteen queued for eight slots, timed over the
+    full-batch decode steps."""
     for domain, ps in prompts.items():
         yield domain, "1", lambda llm, ps=ps: [decode(llm, [p], max_tokens)
                                               for p in ps[:batch1_prompts]]
+        for b in (2, 4):
+            yield domain, str(b), lambda llm, ps=ps, b=b: [
+                decode(llm, ps[i:i + b], max_tokens)
+                for i in range(0, max(batch1_prompts, b) // b * b, b)]
         yield domain, "8", lambda llm, ps=ps: [decode(llm, ps[:8], max_tokens)]
         yield domain, "8 sustained", lambda llm, ps=ps: [
             decode_sustained(llm, ps[:16], max_tokens, 8)]
@@ -258,8 +264,9 @@ def main() -> int:
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, type=config_name,
                         help=f"of {', '.join(CONFIGS)}; a tree one may name its own shape, "
                              "NAME@WIDTHxSIZE (prose-head+ngt@8x31)")
-    parser.add_argument("--batches", nargs="+", default=list(BATCHES), choices=BATCHES,
-                        help="which cases to run (default: all)")
+    parser.add_argument("--batches", nargs="+", default=["1", "8", "8 sustained"],
+                        choices=BATCHES, help="which cases to run (default: 1, 8 and 8 "
+                        "sustained)")
     parser.add_argument("--domains", nargs="+", default=["code", "prose"],
                         choices=["code", "prose"])
     parser.add_argument("--out", default="speculative-results.json")
