@@ -180,7 +180,12 @@ MAX_TREE_WIDTH = 8
 # drafts in one request's tree: with its root, a query of 32 tokens (decode-sized: the fused
 # stack's matmuls and the short-query attention kernel, which draft trees stay in)
 MAX_TREE_DRAFTS = 31
-DEFAULT_TREE_DRAFTS = 15  # tree_size by default
+DEFAULT_TREE_DRAFTS = 15  # tree_size by default (lookup's and a draft model's)
+# a head's draft trees by default: 3 continuations, up to 12 drafts, lookup's continuation
+# joining them (ngram_first), where one sequence decodes (tree_max_batch): the fastest shape
+# measured on code at batch 1 (BENCHMARKS.md, "Lookup's continuation first" and "Trees by
+# default for a head"); chains elsewhere, as SGLang's EAGLE picks a tree for its users
+HEAD_TREE_WIDTH, HEAD_TREE_DRAFTS = 3, 12
 
 
 @dataclass(frozen=True)
@@ -197,19 +202,23 @@ class SpeculativeConfig:
     ngram_min: int = 1  # ngram: shortest suffix to look up in the prompt and output
     ngram_max: int = 4  # ngram: longest suffix to look up (longer matches win)
     draft_kv_cache_memory: int | None = None  # draft: bytes for its KV cache; None = derived
-    ngram_first: bool = False  # draft/head: an n-gram match's drafts when there is one
+    # draft/head: an n-gram match's drafts when there is one (None: on for a head, off for a
+    # draft model)
+    ngram_first: bool | None = None
     speculator_int8: bool = True  # head/draft: int8 weight-only linears, decode-sized inputs
     # draft trees: up to this many alternative continuations per request and step, verified
     # in one forward (n-gram: several earlier occurrences' continuations, merged by common
     # prefix; head: a beam search this wide, its k * width likeliest nodes; with
     # ngram_first, a match passed over for the head joins its tree); 1 = one chain of drafts.
     # With adaptive speculation each step still picks a tree or a chain, whichever has made
-    # more tokens per unit of cost (spec/adaptive.py, TreeChoice)
-    tree_width: int = 1
+    # more tokens per unit of cost (spec/adaptive.py, TreeChoice). None: HEAD_TREE_WIDTH for
+    # a head, 1 otherwise
+    tree_width: int | None = None
     # most drafts in one tree (SGLang's --speculative-num-draft-tokens): a tree's first this
     # many nodes (the head's likeliest; in a merged tree lookup's first continuation, the
-    # head's, then lookup's others)
-    tree_size: int = DEFAULT_TREE_DRAFTS
+    # head's, then lookup's others). None: HEAD_TREE_DRAFTS for a head, DEFAULT_TREE_DRAFTS
+    # otherwise
+    tree_size: int | None = None
     # trees only in steps where at most this many sequences decode (chains above): at small
     # batches a step's cost hardly grows with its query tokens, at larger ones a tree's
     # extra tokens cost more than they bring (BENCHMARKS.md, draft trees)
@@ -226,16 +235,26 @@ class SpeculativeConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
                              f"{self.ngram_max}")
-        if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
+        if self.tree_width is not None and not 1 <= self.tree_width <= MAX_TREE_WIDTH:
             raise ValueError(f"tree_width must be in [1, {MAX_TREE_WIDTH}], got "
                              f"{self.tree_width}")
-        if not 1 <= self.tree_size <= MAX_TREE_DRAFTS:
+        if self.tree_size is not None and not 1 <= self.tree_size <= MAX_TREE_DRAFTS:
             raise ValueError(f"tree_size must be in [1, {MAX_TREE_DRAFTS}], got "
                              f"{self.tree_size}")
         if self.tree_max_batch < 1:
             raise ValueError(f"tree_max_batch must be >= 1, got {self.tree_max_batch}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+    def resolved(self) -> SpeculativeConfig:
+        """This config with its method's defaults in place of None (what the engine runs):
+        a head drafts trees with lookup joined, lookup and a draft model chains alone."""
+        head = self.method == "head"
+        return dataclasses.replace(
+            self,
+            ngram_first=head if self.ngram_first is None else self.ngram_first,
+            tree_width=self.tree_width or (HEAD_TREE_WIDTH if head else 1),
+            tree_size=self.tree_size or (HEAD_TREE_DRAFTS if head else DEFAULT_TREE_DRAFTS))
 
 
 # -- cluster (kiln.cluster) ---------------------------------------------------------------------

@@ -18,6 +18,9 @@ PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return",
 # the shipped prose head's floor: 1.18 drafts accepted per verify step of 3 on the two held-out
 # windows of the Python documentation (python3-doc installed), 0.54 on the pydoc topics' when not
 PROSE_FLOOR = 0.4
+# the head's own drafts, k = 3 forced, in chains (its default joins lookup's matches and
+# drafts trees at batch 1: the floors are the head's)
+HEAD_ALONE = SpeculativeConfig(adaptive=False, ngram_first=False, tree_width=1)
 
 
 @pytest.mark.slow  # about 30 s of CPU: two 135M-model generations plus loading
@@ -35,7 +38,7 @@ def test_default_model_greedy_is_identical_with_a_head(tmp_path):
     save_head(EagleHead(HeadConfig.for_target(arch, 1024)), tmp_path, torch.bfloat16)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm = LLM(path, max_model_len=256, kv_cache_memory=32 << 20, speculator=str(tmp_path),
-              speculative_config=SpeculativeConfig(adaptive=False))
+              speculative_config=HEAD_ALONE)
     with_head = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert llm.engine.speculator.stats.num_draft_tokens > 0
     llm.engine.speculator = None  # plain decoding on the same engine
@@ -61,7 +64,7 @@ def test_a_shipped_head_is_lossless_and_accepted_on_its_own_held_out_domain(name
     path, head = str(default_model_path()), SHIPPED / name
     assert (head / "speculator.json").is_file(), f"the package ships no {name}"
     llm = LLM(path, max_model_len=256, kv_cache_memory=32 << 20, speculator=str(head),
-              speculative_config=SpeculativeConfig(adaptive=False))
+              speculative_config=HEAD_ALONE)
     requests = [{"prompt_token_ids": p} for p in prompts(llm.get_tokenizer(), 2, 96)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     with_head = [o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)]

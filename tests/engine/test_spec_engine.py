@@ -7,20 +7,23 @@ n > 1; sampled output keeps the target's distribution (chi-square over many seed
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.config import MAX_TREE_DRAFTS, SpeculativeConfig
+from kiln.config import HEAD_TREE_DRAFTS, HEAD_TREE_WIDTH, MAX_TREE_DRAFTS, SpeculativeConfig
 from kiln.engine.scheduler import tree_depths
 from kiln.spec.proposer import Draft, DraftTrie, register_proposer
 
-FORCED = SpeculativeConfig(adaptive=False)  # always k = 3: every path gets exercised
+# always k = 3 (every path gets exercised), in chains, every proposer alone (a head's default
+# is trees with lookup joined: test_a_head_drafts_trees_with_lookup_joined_by_default)
+FORCED = SpeculativeConfig(adaptive=False, ngram_first=False, tree_width=1)
 # the speculator's weights as stored (not int8): for tests that compare drafts with a dense
 # model's own greedy tokens
-EXACT = SpeculativeConfig(adaptive=False, speculator_int8=False)
+EXACT = dataclasses.replace(FORCED, speculator_int8=False)
 
 
 def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
@@ -115,7 +118,6 @@ def test_ngram_first_splits_requests_and_stays_lossless(proposer, reference, lla
                                                         draft_path, head_path):
     """ngram_first: requests whose text repeats take an n-gram match's drafts, the others
     the model's; the proposer still follows every step; output unchanged."""
-    import dataclasses
 
     _, ps, params, expected = reference
     llm = LLM(llama_path, dtype="float32", num_threads=1, max_num_batched_tokens=48,
@@ -137,7 +139,6 @@ def test_ngram_first_splits_requests_and_stays_lossless(proposer, reference, lla
 def test_request_metrics_count_drafts_by_source(reference, llama_path, head_path):
     """With ngram_first, RequestOutput.metrics splits drafts by who drafted them: lookup
     ("ngram") and the head, adding up to the request's totals."""
-    import dataclasses
 
     _, ps, params, _ = reference
     llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
@@ -158,7 +159,6 @@ def test_ngram_first_lookup_and_model_each_draft_their_own_k(k_model, k_lookup, 
                                                              llama_path, head_path):
     """With ngram_first the lookup's drafts and the head's get a k each (lookup costs
     nothing to propose, the head does), and each controller learns its own acceptance."""
-    import dataclasses
 
     _, ps, params, expected = reference
     llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
@@ -192,7 +192,6 @@ def test_ngram_first_gives_a_match_length_lookup_misses_on_to_the_model(
     leaves every match with lookup. Adaptive speculation weighs the two sources' step costs
     too (here unknown); without it (k fixed) acceptance alone decides, costs known or not.
     Output unchanged either way."""
-    import dataclasses
 
     _, ps, params, expected = reference
     llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
@@ -641,6 +640,26 @@ def test_head_trees_are_lossless(ngram_first, reference, llama_path, head_path, 
     assert not ngram_first or any(t.count(-1) > 2 for t in trees)  # lookup's own first draft
     # trees while at most tree_max_batch sequences decode, chains in the full batch
     assert {(b > 2, tree) for b, tree in shapes if b} == {(True, None), (False, True)}
+
+
+def test_a_head_drafts_trees_with_lookup_joined_by_default(reference, llama_path, head_path,
+                                                          monkeypatch):
+    """Named with nothing else set, a head drafts HEAD_TREE_WIDTH-wide trees of up to
+    HEAD_TREE_DRAFTS drafts where one sequence decodes (chains above: tree_max_batch 1),
+    lookup's matches joining them; greedy output unchanged."""
+    _, ps, params, expected = reference
+    placed = placed_trees(monkeypatch)
+    llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
+              speculative_config=SpeculativeConfig(adaptive=False))
+    spec = llm.engine.speculator
+    assert (spec.config.tree_width, spec.config.tree_size, spec.config.ngram_first,
+            spec.config.tree_max_batch) == (HEAD_TREE_WIDTH, HEAD_TREE_DRAFTS, True, 1)
+    assert spec.lookup is not None
+    one = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(ps, params, strict=True)]
+    assert ids(one) == expected
+    trees = [item.draft_parents for item in placed]
+    assert any(t.count(-1) >= HEAD_TREE_WIDTH for t in trees)  # the head's first drafts
+    assert max(len(t) for t in trees) <= HEAD_TREE_DRAFTS
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])  # C++ attention, reference attention

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.config import SpeculativeConfig
+from kiln.config import DEFAULT_TREE_DRAFTS, HEAD_TREE_DRAFTS, HEAD_TREE_WIDTH, SpeculativeConfig
 from kiln.spec.adaptive import AdaptiveK, TreeChoice, batch_bucket
 from kiln.spec.ngram import TokenIndex, ngram_match, ngram_tree, propose_ngram
 from kiln.spec.proposer import Draft, DraftTrie
@@ -333,7 +333,7 @@ def test_a_preset_trained_here_wins_over_the_shipped_one(tmp_path, monkeypatch):
         resolve_speculative_config("prose-head")
 
 
-def test_serve_flags_carry_ngram_first_speculator_int8_and_adaptive():
+def test_serve_flags_carry_ngram_first_speculator_int8_and_adaptive(tmp_path):
     from kiln.cli import build_parser
     from kiln.serve.cli import engine_config
 
@@ -341,8 +341,15 @@ def test_serve_flags_carry_ngram_first_speculator_int8_and_adaptive():
     spec = engine_config(build_parser(argv).parse_args(argv), 1).speculative
     assert (spec.method, spec.num_speculative_tokens, spec.ngram_first,
             spec.speculator_int8) == ("ngram", 4, False, True)
-    argv.append("--ngram-first")
+    head = tmp_path / "h"
+    head.mkdir()
+    (head / "speculator.json").write_text(json.dumps({"kind": "head"}))
+    argv[2] = str(head)
+    argv.append("--no-ngram-first")
+    assert not engine_config(build_parser(argv).parse_args(argv), 1).speculative.ngram_first
+    argv[-1] = "--ngram-first"
     assert engine_config(build_parser(argv).parse_args(argv), 1).speculative.ngram_first
+    argv.append("--speculative-tree-width=1")
     argv.append("--no-speculator-int8")
     assert not engine_config(build_parser(argv).parse_args(argv), 1).speculative.speculator_int8
     assert engine_config(build_parser(argv).parse_args(argv), 1).speculative.tree_width == 1
@@ -355,11 +362,46 @@ def test_serve_flags_carry_ngram_first_speculator_int8_and_adaptive():
     assert not engine_config(build_parser(argv).parse_args(argv), 1).speculative.adaptive
     with pytest.raises(ValueError, match=r"tree_width must be in \[1, 8\], got 9"):
         SpeculativeConfig(tree_width=9)
-    assert SpeculativeConfig().tree_size == 15 and SpeculativeConfig(tree_size=31).tree_size == 31
+    assert (SpeculativeConfig().resolved().tree_size == DEFAULT_TREE_DRAFTS == 15
+            and SpeculativeConfig(tree_size=31).resolved().tree_size == 31)
     with pytest.raises(ValueError, match=r"tree_size must be in \[1, 31\], got 32"):
         SpeculativeConfig(tree_size=32)
     argv = ["serve"]
     assert engine_config(build_parser(argv).parse_args(argv), 1).speculative is None
+
+
+def test_a_head_drafts_trees_with_lookup_joined_unless_told_otherwise(tmp_path):
+    """A head's defaults are the shape measured fastest at batch 1 (3 wide, 12 drafts,
+    lookup's continuation in the tree); lookup and draft models keep chains; any flag or
+    field given explicitly wins."""
+    from kiln.cli import build_parser
+    from kiln.serve.cli import engine_config
+
+    head = tmp_path / "h"
+    head.mkdir()
+    (head / "speculator.json").write_text(json.dumps({"kind": "head"}))
+    draft = tmp_path / "d"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+
+    def shape(*flags):
+        argv = ["serve", *flags]
+        spec = engine_config(build_parser(argv).parse_args(argv), 1).speculative
+        return spec.ngram_first, spec.tree_width, spec.tree_size, spec.tree_max_batch
+
+    assert shape("--speculator", str(head)) == (True, HEAD_TREE_WIDTH, HEAD_TREE_DRAFTS, 1)
+    assert shape("--speculator", str(draft)) == (False, 1, DEFAULT_TREE_DRAFTS, 1)
+    assert shape("--speculator", "ngram") == (False, 1, DEFAULT_TREE_DRAFTS, 1)
+    assert shape("--speculator", str(head), "--no-ngram-first",
+                 "--speculative-tree-width", "1") == (False, 1, HEAD_TREE_DRAFTS, 1)
+    assert shape("--speculator", str(draft), "--ngram-first",
+                 "--speculative-tree-size", "5") == (True, 1, 5, 1)
+    # the same through LLM(speculator=..., speculative_config=...) and the dataclass itself
+    cfg = resolve_speculative_config(str(head), SpeculativeConfig(tree_width=2))
+    assert (cfg.ngram_first, cfg.tree_width, cfg.tree_size) == (True, 2, HEAD_TREE_DRAFTS)
+    unresolved = SpeculativeConfig(method="head", model=str(head))
+    assert unresolved.tree_width is None and unresolved.resolved().tree_width == HEAD_TREE_WIDTH
+    assert unresolved.resolved().resolved() == unresolved.resolved()
 
 
 def test_ngram_tree_merges_continuations_of_several_occurrences():

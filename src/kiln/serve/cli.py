@@ -8,6 +8,8 @@ import logging
 from kiln.cluster.cli import add_cluster_flags, cluster_config, threads_per_worker
 from kiln.config import (
     DEFAULT_TREE_DRAFTS,
+    HEAD_TREE_DRAFTS,
+    HEAD_TREE_WIDTH,
     MAX_TREE_DRAFTS,
     CacheConfig,
     EngineConfig,
@@ -51,14 +53,18 @@ def engine_flags(g: argparse._ArgumentGroup) -> None:
                         "kiln train-speculator), or a draft checkpoint")
     g.add_argument("--num-speculative-tokens", type=int, default=3,
                    help="most draft tokens per sequence per step")
-    g.add_argument("--ngram-first", action="store_true",
+    g.add_argument("--ngram-first", action=argparse.BooleanOptionalAction, default=None,
                    help="with a draft model or head: take an n-gram (prompt lookup) match's "
-                        "drafts when the sequence has one, the model's otherwise")
-    g.add_argument("--speculative-tree-width", type=int, default=1,
+                        "drafts when the sequence has one (with a head: in the same tree), "
+                        "the model's otherwise (default: on for a head, off for a draft model)")
+    g.add_argument("--speculative-tree-width", type=int, default=None,
                    help="draft trees: up to this many alternative continuations per sequence "
-                        "and step, verified in one forward (n-gram lookup, head; 1 = one chain)")
-    g.add_argument("--speculative-tree-size", type=int, default=DEFAULT_TREE_DRAFTS,
-                   help=f"draft trees: at most this many drafts per tree (1-{MAX_TREE_DRAFTS})")
+                        "and step, verified in one forward (n-gram lookup, head; 1 = one "
+                        f"chain; default: {HEAD_TREE_WIDTH} for a head, 1 otherwise)")
+    g.add_argument("--speculative-tree-size", type=int, default=None,
+                   help=f"draft trees: at most this many drafts per tree (1-{MAX_TREE_DRAFTS}; "
+                        f"default: {HEAD_TREE_DRAFTS} for a head, {DEFAULT_TREE_DRAFTS} "
+                        "otherwise)")
     g.add_argument("--speculative-tree-max-batch", type=int, default=1,
                    help="draft trees only while at most this many sequences decode")
     g.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction,

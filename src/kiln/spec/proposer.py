@@ -171,6 +171,7 @@ def register_proposer(name: str) -> Callable[[ProposerFactory], ProposerFactory]
 
 
 def build_proposer(config: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
+    config = config.resolved()
     if config.method not in _PROPOSERS and config.method in _BUILTIN:
         import importlib
         importlib.import_module(_BUILTIN[config.method])

@@ -30,14 +30,15 @@ def speculators_home() -> Path:
 def resolve_speculative_config(speculator: str | None,
                                config: SpeculativeConfig | None = None
                                ) -> SpeculativeConfig | None:
-    """The config for `speculator` (a name or directory), with `config`'s other fields."""
+    """The config for `speculator` (a name or directory), with `config`'s other fields and
+    the method's defaults where they are None (`SpeculativeConfig.resolved`)."""
     if speculator is None:
         return config
     base = config or SpeculativeConfig()
     if speculator in FILE_FREE_METHODS:
-        return dataclasses.replace(base, method=speculator, model=None)
+        return dataclasses.replace(base, method=speculator, model=None).resolved()
     path = speculator_path(speculator)
-    return dataclasses.replace(base, method=speculator_kind(path), model=str(path))
+    return dataclasses.replace(base, method=speculator_kind(path), model=str(path)).resolved()
 
 
 def speculator_kind(path: Path) -> str:

@@ -51,7 +51,7 @@ class SpecStats:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, ctx: ProposerContext, scheduler: Scheduler):
-        self.config = config
+        self.config = config = config.resolved()
         self.scheduler = scheduler
         self.max_model_len = ctx.max_model_len
         self.proposer = build_proposer(config, ctx)
