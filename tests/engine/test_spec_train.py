@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
+from kiln.config import SpeculativeConfig
 from kiln.spec.cli import register  # noqa: F401  (the command module imports cleanly)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -112,7 +113,9 @@ def test_trained_head_is_accepted_more_and_stays_lossless(trained, llama_path):
                                                                    use_tqdm=False)]
     rates = {}
     for name in ("untrained", "trained"):
-        llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=str(out / name))
+        # the head's own drafts, in chains (its default joins lookup's matches and trees)
+        llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=str(out / name),
+                  speculative_config=SpeculativeConfig(ngram_first=False, tree_width=1))
         got = [o.outputs[0].token_ids for o in llm.generate(SEEDS[:4], GREEDY, use_tqdm=False)]
         assert got == expected
         rates[name] = acceptance(llm, SEEDS[:4])
