@@ -147,7 +147,7 @@ class RequestIndexes:
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig, ctx: ProposerContext | None = None):
         self.n_min, self.n_max = config.ngram_min, config.ngram_max
-        self.tree_size = config.resolved().tree_size
+        self.tree_size = config.tree_size  # resolved by the Speculator
         self.indexes = RequestIndexes()
 
     def propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]) -> list[Draft]:

@@ -171,7 +171,7 @@ def register_proposer(name: str) -> Callable[[ProposerFactory], ProposerFactory]
 
 
 def build_proposer(config: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
-    config = config.resolved()
+    """The proposer `config.method` names (`config` resolved: `SpeculativeConfig.resolved`)."""
     if config.method not in _PROPOSERS and config.method in _BUILTIN:
         import importlib
         importlib.import_module(_BUILTIN[config.method])
