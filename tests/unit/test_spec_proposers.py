@@ -299,17 +299,24 @@ def test_tree_choice_keeps_the_shape_that_makes_more_tokens_per_cost():
     assert choice.rate(True) == pytest.approx(2.4 / 1.4, rel=0.05)
 
 
+def speculator_dir(path, kind: str):
+    """A directory that names a speculator: a kiln head (speculator.json) or a draft
+    checkpoint (an HF config.json); nothing in it is loaded."""
+    path.mkdir(parents=True)
+    if kind == "head":
+        (path / "speculator.json").write_text(json.dumps({"kind": "head"}))
+    else:
+        (path / "config.json").write_text("{}")
+    return path
+
+
 def test_speculator_names_resolve(tmp_path):
     assert resolve_speculative_config(None) is None
     assert resolve_speculative_config("ngram").method == "ngram"
-    head = tmp_path / "h"
-    head.mkdir()
-    (head / "speculator.json").write_text(json.dumps({"kind": "head"}))
+    head = speculator_dir(tmp_path / "h", "head")
     cfg = resolve_speculative_config(str(head), SpeculativeConfig(num_speculative_tokens=5))
     assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("head", str(head), 5)
-    draft = tmp_path / "d"
-    draft.mkdir()
-    (draft / "config.json").write_text("{}")
+    draft = speculator_dir(tmp_path / "d", "draft")
     assert resolve_speculative_config(str(draft)).method == "draft"
     with pytest.raises(ValueError, match="train-speculator --preset"):
         resolve_speculative_config("no-such-preset")
@@ -341,9 +348,7 @@ def test_serve_flags_carry_ngram_first_speculator_int8_and_adaptive(tmp_path):
     spec = engine_config(build_parser(argv).parse_args(argv), 1).speculative
     assert (spec.method, spec.num_speculative_tokens, spec.ngram_first,
             spec.speculator_int8) == ("ngram", 4, False, True)
-    head = tmp_path / "h"
-    head.mkdir()
-    (head / "speculator.json").write_text(json.dumps({"kind": "head"}))
+    head = speculator_dir(tmp_path / "h", "head")
     argv[2] = str(head)
     argv.append("--no-ngram-first")
     assert not engine_config(build_parser(argv).parse_args(argv), 1).speculative.ngram_first
@@ -377,12 +382,8 @@ def test_a_head_drafts_trees_with_lookup_joined_unless_told_otherwise(tmp_path):
     from kiln.cli import build_parser
     from kiln.serve.cli import engine_config
 
-    head = tmp_path / "h"
-    head.mkdir()
-    (head / "speculator.json").write_text(json.dumps({"kind": "head"}))
-    draft = tmp_path / "d"
-    draft.mkdir()
-    (draft / "config.json").write_text("{}")
+    head = speculator_dir(tmp_path / "h", "head")
+    draft = speculator_dir(tmp_path / "d", "draft")
 
     def shape(*flags):
         argv = ["serve", *flags]
