@@ -15,7 +15,9 @@ at the continuation's positions; drafts accepted per verify step if every positi
 (the chain's mean); and walked as the engine verifies (the next verify step after the
 accepted drafts plus the bonus token, so hard stretches get more verify steps than easy
 ones). Then the engine itself (bf16, the head's int8 weights, k drafts forced) continues the
-same prompts: its accepted drafts per verify step should match the walk.
+same prompts: its accepted drafts per verify step should match the walk. It does so twice:
+the head alone in chains (what the walk measures), then with a head's defaults (lookup's
+drafts joined, trees at batch 1: `SpeculativeConfig.resolved`).
 """
 
 from __future__ import annotations
@@ -124,15 +126,22 @@ def main() -> int:
         result["sets"][name] = agreement(runner, head, sequences, args.prompt_tokens, args.k,
                                              args.bucket)
     del runner
-    spec = LLM(max_model_len=1024, num_threads=args.threads, speculator=str(path),
-               speculative_config=SpeculativeConfig(adaptive=False,
-                                                    num_speculative_tokens=args.k))
-    for name, prompts in sets.items():
-        result["sets"][name]["engine_accepted"] = engine_acceptance(spec, prompts,
-                                                                    args.max_tokens)
-        r = result["sets"][name]
+    # the head alone in chains, as the walk above verifies; then with its own defaults
+    # (lookup joined, draft trees at batch 1: SpeculativeConfig.resolved), still k forced
+    shapes = {"engine_accepted": SpeculativeConfig(adaptive=False, ngram_first=False,
+                                                   tree_width=1, num_speculative_tokens=args.k),
+              "engine_accepted_defaults": SpeculativeConfig(adaptive=False,
+                                                            num_speculative_tokens=args.k)}
+    for key, config in shapes.items():
+        spec = LLM(max_model_len=1024, num_threads=args.threads, speculator=str(path),
+                   speculative_config=config)
+        for name, prompts in sets.items():
+            result["sets"][name][key] = engine_acceptance(spec, prompts, args.max_tokens)
+        del spec
+    for name, r in result["sets"].items():
         print(f"{name}: engine {r['engine_accepted']} accepted per verify step (k = {args.k} "
-              f"forced)")
+              f"forced; {r['engine_accepted_defaults']} with the head's defaults: lookup "
+              f"joined, trees)")
         for label, part in (("all", r), *r["by_position"].items()):
             print(f"  continuation {label:8s} agreement per draft step {part['agreement']}, "
                   f"accepted per verify step {part['accepted_walked']} (walked), "
