@@ -16,6 +16,10 @@ head (default: the domain's preset) on the first `--keep` positions of the given
 e.g. a preset's cached record (`$KILN_HOME/speculators/.records/*.safetensors`, written by
 `kiln train-speculator --preset prose-head`) with and without fresh ones: the same epochs
 on twice the distinct windows shows whether more data of this kind moves agreement.
+`--soft-labels` trains on the target's whole distribution over the draft vocabulary rather
+than its greedy token, `--all-positions` also where the tokens the head is given are not the
+target's own choices (the openings' raw text): neither moved agreement on held-out pages
+(BENCHMARKS.md, "Soft labels, every position, and 32 prompts at batch 1").
 """
 
 from __future__ import annotations
@@ -82,7 +86,8 @@ def tune(args: argparse.Namespace) -> None:
     init = load_head(speculator_path(args.head or f"{args.domain}-head"), torch.float32)
     model_path = str(resolve_model_path(None))
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, ttt_steps=3,
-                      feature_layers=tuple(init.c.feature_layers))
+                      feature_layers=tuple(init.c.feature_layers),
+                      soft_labels=args.soft_labels, consistent_only=not args.all_positions)
     trainer = HeadTrainer(_runner(model_path, args.threads).model, rec, cfg,
                           Path(model_path).name, init)
     started = time.perf_counter()
@@ -113,6 +118,12 @@ def main() -> int:
                     help="positions of each window: opening + 51 tokens of continuation")
     ft.add_argument("--epochs", type=int, default=3)
     ft.add_argument("--lr", type=float, default=1e-3)
+    ft.add_argument("--soft-labels", action="store_true",
+                    help="learn the target's whole distribution (over the draft vocabulary), "
+                         "not only its greedy token")
+    ft.add_argument("--all-positions", action="store_true",
+                    help="learn at every position, not only where the tokens the head is "
+                         "given are the target's own greedy choices")
     ft.add_argument("--out", required=True)
     ft.set_defaults(func=tune)
     for p in (rec, ft):
