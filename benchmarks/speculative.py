@@ -284,7 +284,12 @@ def main() -> int:
     llms = {n: llm for n in args.configs if (llm := build(n, args)) is not None}
     tok = next(iter(llms.values())).get_tokenizer()
     make = {"code": code_prompts, "prose": prose_prompts}
-    prompts = {d: make[d](tok, 16, args.prompt_tokens) for d in args.domains}
+    wanted = max(16, args.batch1_prompts)  # batch 8 sustained queues 16
+    prompts = {d: make[d](tok, wanted, args.prompt_tokens) for d in args.domains}
+    for domain, ps in prompts.items():
+        if len(ps) < wanted:
+            parser.error(f"{domain}: {len(ps)} held-out prompts of {args.prompt_tokens} "
+                         f"tokens, not {wanted}: lower --batch1-prompts")
     runs: dict[tuple, list[Run]] = {}
     run_log: list[dict] = []
     for rep in range(args.reps + 1):  # rep 0 warms every configuration up
