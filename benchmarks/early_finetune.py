@@ -19,7 +19,7 @@ on twice the distinct windows shows whether more data of this kind moves agreeme
 `--soft-labels` trains on the target's whole distribution over the draft vocabulary rather
 than its greedy token, `--all-positions` also where the tokens the head is given are not the
 target's own choices (the openings' raw text): neither moved agreement on held-out pages
-(BENCHMARKS.md, "Soft labels, every position, and 32 prompts at batch 1").
+(BENCHMARKS.md, "Soft labels, every position, and 16 prompts at batch 1").
 """
 
 from __future__ import annotations

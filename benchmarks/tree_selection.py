@@ -43,6 +43,7 @@ from kiln.spec.data import code_prompts, prose_prompts, prose_source
 from kiln.spec.head import _best_nodes
 from kiln.spec.proposer import Draft, DraftTrie
 from kiln.spec.resolve import speculator_path
+from kiln.spec.verify import children_of
 
 K, WIDEST, LARGEST = 3, 8, 31
 SHAPES = [(3, 9), (3, 12), (4, 12), (6, 12), (8, 12), (4, 15), (6, 16), (8, 16), (8, 20),
@@ -97,11 +98,10 @@ def record(domain: str, n_prompts: int, threads: int) -> list[dict]:
 
 def accepted(draft: Draft, true: list[int]) -> int:
     """Drafts greedy verification accepts: the depth of the path that spells `true`."""
-    parents = draft.parents or list(range(-1, len(draft.token_ids) - 1))
+    children = children_of(draft.parents or list(range(-1, len(draft.token_ids) - 1)))
     node, depth = -1, 0
     for token in true:
-        node = next((i for i, (t, p) in enumerate(zip(draft.token_ids, parents, strict=True))
-                     if p == node and t == token), None)
+        node = next((c for c in children.get(node, ()) if draft.token_ids[c] == token), None)
         if node is None:
             break
         depth += 1
