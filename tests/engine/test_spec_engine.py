@@ -93,6 +93,24 @@ def test_greedy_is_token_identical_with_each_proposer(proposer, reference, llama
     assert llm.engine.kv.stats().used_blocks == 0 and llm.engine.kv.stats().hit_tokens > 0
 
 
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_a_vllm_style_speculative_config_dict_drives_the_engine(method, reference, llama_path,
+                                                               head_path):
+    """`LLM(speculative_config={...})` as vLLM users write it: the named proposer drafts
+    the asked k, and greedy output is unchanged."""
+    _, ps, params, expected = reference
+    spec = {"method": method, "num_speculative_tokens": 2, "adaptive": False,
+            "tree_width": 1, "ngram_first": False}
+    if method == "eagle":
+        spec["model"] = head_path
+    llm = LLM(llama_path, dtype="float32", num_threads=1, speculative_config=spec)
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    config, stats = llm.engine.speculator.config, llm.engine.speculator.stats
+    assert (config.method, config.num_speculative_tokens) == (
+        {"ngram": "ngram", "eagle": "head"}[method], 2)
+    assert 0 < stats.num_draft_tokens <= 2 * stats.num_verify_steps
+
+
 def test_request_metrics_count_drafts_per_position(reference, llama_path):
     """RequestOutput.metrics: totals and per-draft-position counts agree with each other and
     with the engine's totals; a later position is never drafted or accepted more often."""

@@ -1,12 +1,18 @@
-"""`kiln serve --speculator`: drafts verified per response (usage extension) and in /metrics."""
+"""`kiln serve --speculator` (or vLLM's `--speculative-config`): drafts verified per response
+(usage extension) and in /metrics."""
 
 from __future__ import annotations
+
+import pytest
 
 from tests.serve.conftest import start_server
 
 
-def test_served_speculation_reports_usage_and_metrics(llama_path, tmp_path):
-    server = start_server(llama_path, tmp_path, "--speculator", "ngram",
+@pytest.mark.parametrize("flags", [("--speculator", "ngram"),
+                                   ("--speculative-config",
+                                    '{"method": "ngram", "prompt_lookup_max": 4}')])
+def test_served_speculation_reports_usage_and_metrics(flags, llama_path, tmp_path):
+    server = start_server(llama_path, tmp_path, *flags,
                           "--served-model-name", "tiny", step_delay_s=0.0)
     try:
         with server.http() as http:

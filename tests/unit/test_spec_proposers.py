@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -488,3 +489,89 @@ def test_the_speculator_counts_tokens_left_by_max_tokens_or_the_context():
     assert spec._tokens_left(request) == 28
     request.params.max_tokens = None
     assert spec._tokens_left(request) == 70
+
+
+def test_a_vllm_style_speculative_config_dict_maps_onto_kiln(tmp_path):
+    """vLLM's `speculative_config` keys (method names, prompt_lookup_*,
+    disable_by_batch_size) land on kiln's fields, kiln's own fields pass as they are, a
+    model's kind is checked against the method, and every mistake is a ValueError naming
+    the key."""
+    from kiln.spec.resolve import speculative_config_from_dict as from_dict
+
+    head = speculator_dir(tmp_path / "h", "head")
+    draft = speculator_dir(tmp_path / "d", "draft")
+    spec = from_dict({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
+                      "prompt_lookup_max": 6, "disable_by_batch_size": 8})
+    assert (spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max,
+            spec.max_batch_size, spec.tree_width) == ("ngram", 5, 2, 6, 8, 1)
+    assert (from_dict({"method": "ngram", "prompt_lookup_min": 6}).ngram_max,
+            from_dict({"method": "ngram", "prompt_lookup_max": 2}).ngram_min) == (6, 1)
+    for method in ("eagle", "eagle3", "head", None):
+        spec = from_dict({"method": method, "model": str(head), "tree_size": 20,
+                          "draft_tensor_parallel_size": 1})
+        assert (spec.method, spec.model, spec.tree_size, spec.tree_width, spec.ngram_first) == (
+            "head", str(head), 20, HEAD_TREE_WIDTH, True)  # a head's defaults filled in
+    assert from_dict({"method": "draft_model", "model": str(draft)}).method == "draft"
+    assert from_dict({"model": str(draft), "adaptive": False}).adaptive is False
+    assert from_dict({"model": "ngram"}).method == "ngram"
+    for bad, message in [
+            ({"method": "suffix"}, "method 'suffix' is not one kiln has"),
+            ({"method": "ngram", "prompt_lookup_mx": 3}, "unknown key 'prompt_lookup_mx'"),
+            ({"method": "ngram", "num_speculative_tokens": "3"},
+             "num_speculative_tokens must be int, got '3'"),
+            ({"method": "ngram", "adaptive": 1}, "adaptive must be bool, got 1"),
+            ({"method": "ngram", "max_batch_size": 4, "disable_by_batch_size": 4},
+             "'disable_by_batch_size' and 'max_batch_size' are the same setting"),
+            ({"method": "ngram", "model": str(draft)}, "takes no model"),
+            ({"method": "eagle", "model": str(draft)}, "wants a kiln head.* is a draft"),
+            ({"method": "draft_model", "model": str(head)}, "wants a draft model.* is a head"),
+            ({"method": "eagle"}, "needs a 'model'"),
+            ({"method": "eagle", "model": "no-such-preset"}, "model: speculator 'no-such-"),
+            ({"method": "ngram", "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size"),
+            ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must"),
+            ({"method": 3}, "method must be a string"),
+            ([("method", "ngram")], "must be a JSON object")]:
+        with pytest.raises(ValueError, match=message):
+            from_dict(bad)
+    with pytest.raises(ValueError, match="name the speculator once"):
+        resolve_speculative_config("ngram", {"method": "ngram"})
+    assert resolve_speculative_config(None, {"method": "ngram"}).method == "ngram"
+
+
+def test_serve_takes_a_speculative_config_json_and_flags_override_it(tmp_path, capsys):
+    from kiln.cli import build_parser, main
+    from kiln.serve.cli import engine_config
+
+    head = speculator_dir(tmp_path / "h", "head")
+
+    def spec(*flags):
+        argv = ["serve", *flags]
+        return engine_config(build_parser(argv).parse_args(argv), 1).speculative
+
+    s = spec("--speculative-config", json.dumps({"method": "eagle", "model": str(head),
+                                                  "num_speculative_tokens": 4,
+                                                  "tree_size": 20}))
+    assert (s.method, s.model, s.num_speculative_tokens, s.tree_size, s.adaptive) == (
+        "head", str(head), 4, 20, True)
+    s = spec("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}',
+             "--num-speculative-tokens", "2", "--no-speculative-adaptive")
+    assert (s.method, s.num_speculative_tokens, s.adaptive) == ("ngram", 2, False)
+    # without either flag nothing speculates; the other flags' defaults are the dataclass's
+    assert spec("--num-speculative-tokens", "2") is None
+    s = spec("--speculator", "ngram")
+    assert (s.num_speculative_tokens, s.adaptive, s.tree_max_batch, s.speculator_int8) == (
+        3, True, 1, True)
+    # mistakes: one line naming what to fix, exit status 2, no traceback
+    for flags, message in [
+            (["--speculative-config", "{method: ngram}"], "--speculative-config is not JSON"),
+            (["--speculative-config", "[1]"], "--speculative-config must be a JSON object"),
+            (["--speculative-config", '{"method": "medusa"}'],
+             "--speculative-config: method 'medusa' is not one kiln has"),
+            (["--speculative-config", '{"method": "ngram"}', "--speculative-tree-size", "40"],
+             r"--speculative-config: tree_size must be in \[1, 31\], got 40"),
+            (["--speculator", "ngram", "--speculative-config", '{"method": "ngram"}'],
+             "--speculator and --speculative-config both name a speculator")]:
+        assert main(["serve", *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("kiln serve: error: ") and "\n" not in err
+        assert re.search(message, err), err

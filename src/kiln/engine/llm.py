@@ -40,7 +40,7 @@ class LLM:
                  num_threads: int | None = None, tokenizer: str | None = None,
                  kernels: str = "auto", linear_backend: str = "auto",
                  speculator: str | None = None,
-                 speculative_config: SpeculativeConfig | None = None,
+                 speculative_config: SpeculativeConfig | dict | None = None,
                  repetition_guard: str = "stop"):
         from kiln.spec.resolve import resolve_speculative_config
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 
 from kiln.cluster.cli import add_cluster_flags, cluster_config, threads_per_worker
@@ -51,8 +52,16 @@ def engine_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--speculator", default=None,
                    help="speculative decoding: ngram, a speculator dir or preset (see "
                         "kiln train-speculator), or a draft checkpoint")
-    g.add_argument("--num-speculative-tokens", type=int, default=3,
-                   help="most draft tokens per sequence per step")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding as vLLM's flag takes it, e.g. '{\"method\": "
+                        "\"eagle\", \"model\": \"code-head\", \"num_speculative_tokens\": 3}' "
+                        "(method ngram | eagle | eagle3 | draft_model, model, "
+                        "prompt_lookup_min/max, disable_by_batch_size, and kiln's own "
+                        "SpeculativeConfig fields); instead of --speculator, and the flags "
+                        "below override it")
+    g.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="most draft tokens per sequence per step (default: "
+                        f"{SpeculativeConfig.num_speculative_tokens})")
     g.add_argument("--ngram-first", action=argparse.BooleanOptionalAction, default=None,
                    help="with a draft model or head: take an n-gram (prompt lookup) match's "
                         "drafts when the sequence has one (with a head: in the same tree), "
@@ -65,16 +74,17 @@ def engine_flags(g: argparse._ArgumentGroup) -> None:
                    help=f"draft trees: at most this many drafts per tree (1-{MAX_TREE_DRAFTS}; "
                         f"default: {HEAD_TREE_DRAFTS} for a head, {DEFAULT_TREE_DRAFTS} "
                         "otherwise)")
-    g.add_argument("--speculative-tree-max-batch", type=int, default=1,
-                   help="draft trees only while at most this many sequences decode")
+    g.add_argument("--speculative-tree-max-batch", type=int, default=None,
+                   help="draft trees only while at most this many sequences decode (default: "
+                        f"{SpeculativeConfig.tree_max_batch})")
     g.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction,
-                   default=True,
+                   default=None,
                    help="choose per step how many drafts, and a tree or a chain, by measured "
                         "cost and acceptance; --no-speculative-adaptive always drafts "
                         "--num-speculative-tokens (trees wherever they are allowed)")
-    g.add_argument("--speculator-int8", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--speculator-int8", action=argparse.BooleanOptionalAction, default=None,
                    help="a head's or draft model's weights int8 weight-only at decode sizes "
-                        "(cheaper draft steps; output is exact either way)")
+                        "(cheaper draft steps; output is exact either way; default: on)")
     g.add_argument("--heartbeat-interval", type=float, default=WorkerConfig.heartbeat_interval_s,
                    help="seconds between worker heartbeats")
     g.add_argument("--repetition-guard", default=StructuredConfig.repetition_guard,
@@ -134,17 +144,38 @@ def engine_config(args: argparse.Namespace, threads: int | None) -> EngineConfig
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   policy=args.policy),
         parallel=ParallelConfig(num_threads=threads),
-        speculative=resolve_speculative_config(  # off unless --speculator names one
-            args.speculator, SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens,
-                                               adaptive=args.speculative_adaptive,
-                                               ngram_first=args.ngram_first,
-                                               tree_width=args.speculative_tree_width,
-                                               tree_size=args.speculative_tree_size,
-                                               tree_max_batch=args.speculative_tree_max_batch,
-                                               speculator_int8=args.speculator_int8)
-        ) if args.speculator else None,
+        speculative=speculative_config(args),
         structured=StructuredConfig(repetition_guard=args.repetition_guard,
                                     compile_timeout_s=args.grammar_compile_timeout))
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """Off unless --speculator or --speculative-config names a speculator; the speculative
+    flags given on the command line override the JSON's keys."""
+    flags = {"num_speculative_tokens": args.num_speculative_tokens,
+             "adaptive": args.speculative_adaptive, "ngram_first": args.ngram_first,
+             "tree_width": args.speculative_tree_width, "tree_size": args.speculative_tree_size,
+             "tree_max_batch": args.speculative_tree_max_batch,
+             "speculator_int8": args.speculator_int8}
+    given = {name: value for name, value in flags.items() if value is not None}
+    if args.speculative_config is None:
+        return (resolve_speculative_config(args.speculator, SpeculativeConfig(**given))
+                if args.speculator else None)
+    if args.speculator:
+        raise ValueError("--speculator and --speculative-config both name a speculator: give "
+                         "one (the JSON's \"model\" and \"method\" do what --speculator does)")
+    try:
+        spec = json.loads(args.speculative_config)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise ValueError("--speculative-config must be a JSON object, e.g. "
+                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'")
+    try:
+        return resolve_speculative_config(None, {**spec, **given})
+    except ValueError as exc:
+        message = str(exc).removeprefix("speculative_config: ")
+        raise ValueError(f"--speculative-config: {message}") from None
 
 
 def run(args: argparse.Namespace) -> int:
