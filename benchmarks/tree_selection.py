@@ -51,10 +51,10 @@ SHAPES = [(3, 9), (3, 12), (4, 12), (6, 12), (8, 12), (4, 15), (6, 16), (8, 16),
 OTHER_LOOKUP = (0.08, 0.3)  # lookup's other continuations: right at depth 1, then per depth
 
 
-def record(domain: str, n_prompts: int, threads: int) -> list[dict]:
+def record(domain: str, n_prompts: int, threads: int, contexts: bool = False) -> list[dict]:
     """Per verify step: the head's beam nodes (log-likelihood, depth, token, parent) or None
     where lookup drafted alone, lookup's (tokens, parents, match length), the target's next
-    K tokens."""
+    K tokens (and with `contexts` the sequence's tokens before them)."""
     llm = LLM(max_model_len=1024, kv_cache_memory=96 << 20, max_num_seqs=1,
               num_threads=threads, speculator=str(speculator_path(f"{domain}-head")),
               speculative_config=SpeculativeConfig(
@@ -90,6 +90,8 @@ def record(domain: str, n_prompts: int, threads: int) -> list[dict]:
         text = prompt + out.outputs[0].token_ids
         for step in steps[first:]:
             step["true"] = text[step["pos"]:step["pos"] + K]
+            if contexts:
+                step["context"] = text[:step["pos"]]
     stats = spec.stats
     print(f"{domain}: {len(steps)} steps, {stats.num_accepted_tokens / stats.num_verify_steps:.3f}"
           f" accepted per verify step at {WIDEST} x {LARGEST}")

@@ -236,6 +236,37 @@ def test_ngram_first_gives_a_match_length_lookup_misses_on_to_the_model(
     assert not spec._match_of and llm.engine.kv.stats().used_blocks == 0
 
 
+def test_a_match_stays_with_lookup_in_a_model_step_only_where_it_promises_as_much(
+        reference, llama_path, head_path):
+    """In a step where the model drafts anyway (for the requests without a match), the step
+    costs what a model step costs: a match then stays with lookup only where its length has
+    made at least the tokens the model promises, however much cheaper a lookup-only step is
+    (here 10:1, which alone would send every match to lookup). Output unchanged."""
+    _, ps, params, expected = reference
+    llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
+              speculative_config=dataclasses.replace(FORCED, adaptive=True, ngram_first=True))
+    spec = llm.engine.speculator
+    spec.adaptive.choose = spec.lookup.choose = lambda batch, ids=(), left=None: 3
+    spec.adaptive.expected_tokens = lambda k, ids=(): 2.5
+    spec.adaptive.cost, spec.lookup.cost = (lambda batch, k: 1.0), (lambda batch, k: 0.1)
+    inner, kept, passed = spec._propose_lookup_first, [], []
+
+    def propose(sched, batch, candidates, *rest):
+        found = {r.request_id: spec._lookup(r, 1)[1] for r in candidates}
+        wanted, drafts, sources, planned = inner(sched, batch, candidates, *rest)
+        if any(source is spec.adaptive for source in sources):  # the model drafts
+            for w, source in zip(wanted, sources, strict=True):
+                n = found[w.request.request_id]
+                if n:
+                    (kept if source is spec.lookup else passed).append(spec._lookup_expected(n))
+        return wanted, drafts, sources, planned
+
+    spec._propose_lookup_first = propose
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    assert kept and all(tokens >= 2.5 for tokens in kept)
+    assert passed and all(tokens < 2.5 for tokens in passed)
+
+
 def test_speculator_weights_are_int8_unless_asked_otherwise(llama_path, draft_path,
                                                            head_path):
     """speculator_int8 (default): the draft model loads int8 weight-only, a head's linears
