@@ -24,14 +24,12 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import random
 
 import numpy as np
-from rich.progress import Progress
+from early_finetune import continue_openings
 from transformers import AutoTokenizer  # noqa: F401  (import before engines start threads)
 from tree_selection import K, accepted, kiln_rule, lookup_draft, record
 
-from kiln import LLM
 from kiln.bench.result import cpu_summary
 from kiln.spec import data
 from kiln.spec.proposer import Draft, DraftTrie
@@ -153,21 +151,8 @@ def main() -> int:
     parser.add_argument("--out", default="corpus-lookup.json")
     args = parser.parse_args()
 
-    llm = LLM(num_threads=args.threads, max_num_seqs=128, max_num_batched_tokens=4096,
-              repetition_guard="off")
-    texts = data.domain_corpus(args.domain)
-    random.Random(args.seed).shuffle(texts)
-    openings = data.continuation_prompts(data.tokenize_documents(llm.get_tokenizer(), texts),
-                                         args.windows, 96, args.seed)
-    sequences: list[list[int]] = []
-    with Progress() as progress:
-        task = progress.add_task("the target continues the openings", total=len(openings))
-        for start in range(0, len(openings), 512):
-            sequences += data.generate_answers(llm, openings[start:start + 512],
-                                               args.answer_tokens, ignore_eos=True,
-                                               show_progress=False)
-            progress.update(task, completed=len(sequences))
-    del llm
+    sequences, _ = continue_openings(args.domain, args.windows, 96, args.answer_tokens,
+                                     args.seed, args.threads)
     index = CorpusIndex(sequences)
     steps = record(args.domain, args.prompts, args.threads, contexts=True)
     for step in steps:

@@ -47,23 +47,30 @@ def _runner(model_path: str, threads: int | None) -> ModelRunner:
                        ParallelConfig(threads), frozenset())
 
 
-def record(args: argparse.Namespace) -> None:
-    llm = LLM(num_threads=args.threads, max_num_seqs=128, max_num_batched_tokens=4096,
+def continue_openings(domain: str, openings: int, prompt_tokens: int, answer_tokens: int,
+                      seed: int, threads: int | None) -> tuple[list[list[int]], str]:
+    """`openings` windows of the domain's training texts at seeded offsets, each continued
+    greedily by the default model for `answer_tokens` (self-distillation, as the presets do);
+    and the model's path."""
+    llm = LLM(num_threads=threads, max_num_seqs=128, max_num_batched_tokens=4096,
               repetition_guard="off")
-    texts = data.domain_corpus(args.domain)
-    random.Random(args.seed).shuffle(texts)
+    texts = data.domain_corpus(domain)
+    random.Random(seed).shuffle(texts)
     prompts = data.continuation_prompts(data.tokenize_documents(llm.get_tokenizer(), texts),
-                                        args.openings, args.prompt_tokens, args.seed)
+                                        openings, prompt_tokens, seed)
     sequences: list[list[int]] = []
     with Progress() as progress:
         task = progress.add_task("the target continues the openings", total=len(prompts))
         for start in range(0, len(prompts), 512):
-            sequences += data.generate_answers(llm, prompts[start:start + 512],
-                                               args.answer_tokens, ignore_eos=True,
-                                               show_progress=False)
+            sequences += data.generate_answers(llm, prompts[start:start + 512], answer_tokens,
+                                               ignore_eos=True, show_progress=False)
             progress.update(task, completed=len(sequences))
-    model_path = str(llm.engine.model_path)
-    del llm
+    return sequences, str(llm.engine.model_path)
+
+
+def record(args: argparse.Namespace) -> None:
+    sequences, model_path = continue_openings(args.domain, args.openings, args.prompt_tokens,
+                                              args.answer_tokens, args.seed, args.threads)
     head = load_head(speculator_path(args.head or f"{args.domain}-head"), torch.float32)
     chunks = torch.tensor(sequences)
     with Progress() as progress:
@@ -72,7 +79,7 @@ def record(args: argparse.Namespace) -> None:
                                  head.c.feature_layers,
                                  progress=lambda n: progress.advance(task, n))
     rec.save(Path(args.out))
-    print(f"wrote {args.out}: {len(prompts)} openings of {args.prompt_tokens} tokens, "
+    print(f"wrote {args.out}: {len(sequences)} openings of {args.prompt_tokens} tokens, "
           f"each continued for {args.answer_tokens}")
 
 
