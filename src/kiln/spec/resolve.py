@@ -89,7 +89,7 @@ def speculative_config_from_dict(spec: Mapping) -> SpeculativeConfig:
             raise ValueError(f"speculative_config: {key!r} and {name!r} are the same setting")
         _check_type(key, name, value)
         values[name] = value
-    if "ngram_min" in values and "ngram_max" not in values:  # vLLM: one bound sets both
+    if "ngram_min" in values and "ngram_max" not in values:  # never an inverted default
         values["ngram_max"] = max(values["ngram_min"], SpeculativeConfig.ngram_max)
     for key, value in (("method", method), ("model", model)):
         if value is not None and not isinstance(value, str):
