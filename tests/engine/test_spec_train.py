@@ -203,11 +203,12 @@ def test_cli_self_distills_from_files(llama_path, tmp_path, monkeypatch, capsys)
     assert json.loads((head / "train.json").read_text())["command"]["self_distill"] is True
 
 
-def test_cli_preset_second_stage_goes_on_from_the_first(llama_path, tmp_path, monkeypatch,
-                                                         capsys):
-    """A preset with a `Refine` stage trains its head (kept under .stages), then goes on
-    training that head on fresh, shorter continuations into --out; the first stage is taken
-    as it is when the same command trained it before."""
+def test_cli_preset_later_stages_go_on_from_the_one_before(llama_path, tmp_path, monkeypatch,
+                                                          capsys):
+    """A preset with `Refine` stages trains its head (kept under .stages), then goes on
+    training it stage after stage on fresh, shorter continuations, the last into --out; a
+    kept stage is taken as it is when the same command trained it before on the stages
+    before it as they are, and trained again when one of those was."""
     from safetensors.torch import load_file
 
     from kiln.cli import main
@@ -215,33 +216,47 @@ def test_cli_preset_second_stage_goes_on_from_the_first(llama_path, tmp_path, mo
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(data, "domain_corpus", lambda domain: [" ".join(SEEDS) * 10])
-    monkeypatch.setitem(cli.PRESETS, "code-head", cli.Preset(
-        "code", "head", 256, 1, cli.Refine(answer_tokens=8, tokens=8 * 16, seed=1, epochs=1,
-                                           lr=1e-3)))
+    monkeypatch.setitem(cli.PRESETS, "code-head", cli.Preset("code", "head", 256, 1, tuple(
+        cli.Refine(answer_tokens=8, tokens=8 * 16, seed=seed, epochs=1, lr=1e-3)
+        for seed in (1, 2))))
     out = tmp_path / "head"
     command = ["train-speculator", "--preset", "code-head", "--model", llama_path,
                "--prompt-tokens", "8", "--answer-tokens", "24", "--dtype", "float32",
                "--out", str(out)]
     assert main(command) == 0
-    first = tmp_path / "home" / "speculators" / ".stages" / "code-head-1"
+    stages = tmp_path / "home" / "speculators" / ".stages"
+    first, second = stages / "code-head-1", stages / "code-head-2"
     meta = json.loads((out / "train.json").read_text())
-    assert meta["command"]["init"] == str(first)
+    assert meta["command"]["init"] == str(second)
     assert (meta["command"]["seed"], meta["command"]["answer_tokens"],
-            meta["command"]["max_tokens"], meta["command"]["epochs"]) == (1, 8, 128, 1)
-    before = meta["previous_stage"]["command"]
+            meta["command"]["max_tokens"], meta["command"]["epochs"]) == (2, 8, 128, 1)
+    middle = meta["previous_stage"]["command"]
+    assert (middle["seed"], middle["init"], middle["out"]) == (1, str(first), str(second))
+    before = meta["previous_stage"]["previous_stage"]["command"]
     assert (before["seed"], before["answer_tokens"], before["max_tokens"]) == (0, 24, 256)
     assert before["out"] == str(first) and before["init"] is None
     shapes = sorted(data.TargetRecord.load(p).tokens.shape[1]
                     for p in (tmp_path / "home" / "speculators" / ".records").iterdir())
-    assert shapes == [16, 32]  # openings of 8 continued for 8, and for 24
-    one, two = load_file(first / "head.safetensors"), load_file(out / "head.safetensors")
-    assert one.keys() == two.keys()
-    assert any(not torch.equal(one[k], two[k]) for k in one)  # the second stage trained it
-    stamp = (first / "head.safetensors").stat().st_mtime_ns
+    assert shapes == [16, 16, 32]  # openings of 8 continued for 24, then twice for 8
+    heads = [load_file(d / "head.safetensors") for d in (first, second, out)]
+    assert heads[0].keys() == heads[1].keys() == heads[2].keys()
+    for a, b in zip(heads, heads[1:], strict=False):  # every later stage trained it
+        assert any(not torch.equal(a[k], b[k]) for k in a)
+
+    def stamps():
+        return [(d / "head.safetensors").stat().st_mtime_ns for d in (first, second)]
+
+    kept = stamps()
     capsys.readouterr()
     assert main(command) == 0
-    assert "trained by this command before" in capsys.readouterr().err
-    assert (first / "head.safetensors").stat().st_mtime_ns == stamp
+    err = capsys.readouterr().err
+    assert "stage 1 of code-head" in err and "stage 2 of code-head" in err
+    assert err.count("trained by this command before") == 2
+    assert stamps() == kept
+    (first / "train.json").unlink()  # stage 1 is trained again, so stage 2 is too
+    assert main(command) == 0
+    assert "trained by this command before" not in capsys.readouterr().err
+    assert all(a != b for a, b in zip(stamps(), kept, strict=True))
 
 
 def test_cli_rejects_self_distill_of_prompts(llama_path, tmp_path, capsys):

@@ -101,7 +101,7 @@ def test_a_wrong_kiln_prose_docs_is_an_error_not_a_silent_fallback(tmp_path, mon
 
 def test_presets_carry_their_own_token_counts(tmp_path):
     """--preset prose-head and code-head self-distill 1,048,576 tokens and train 12 and 10
-    epochs (then both the same second stage), code-draft 524,288 and its kind's default,
+    epochs (then later stages), code-draft 524,288 and its kind's default,
     unless --max-tokens / --epochs say otherwise."""
     import argparse
 
@@ -118,8 +118,11 @@ def test_presets_carry_their_own_token_counts(tmp_path):
     assert tokens("--preset", "prose-head") == (1048576, "head", "prose", 12)
     assert tokens("--preset", "code-head") == (1048576, "head", "code", 10)
     assert tokens("--preset", "code-draft") == (524288, "draft", "code", None)
-    # both head presets go on to the same second stage; a draft model has none
-    assert PRESETS["code-head"].refine == PRESETS["prose-head"].refine is not None
-    assert PRESETS["code-draft"].refine is None
+    # both head presets go on to the same second stage, the prose head to two more, on
+    # other windows each; a draft model has none
+    code, prose = PRESETS["code-head"].refine, PRESETS["prose-head"].refine
+    assert len(code) == 1 and len(prose) == 3 and code[0] == prose[0]
+    assert len({stage.seed for stage in prose}) == 3 and 0 not in {s.seed for s in prose}
+    assert PRESETS["code-draft"].refine == ()
     assert tokens("--preset", "prose-head", "--max-tokens", "4096")[0] == 4096
     assert tokens("--preset", "prose-head", "--epochs", "2")[3] == 2

@@ -3,9 +3,9 @@
   kiln train-speculator --model M (--data FILES | --prompts FILE) --kind head|draft --out DIR
   kiln train-speculator --preset code-head          # built-in data, into $KILN_HOME/speculators
 
-A head preset has a second stage: its head then goes on training on the target's
-short continuations of fresh openings (see `Refine`); the first stage's head is kept in
-$KILN_HOME/speculators/.stages.
+A head preset has later stages: its head then goes on training on the target's short
+continuations of fresh openings (see `Refine`), stage after stage; the heads of the stages
+before the last are kept in $KILN_HOME/speculators/.stages.
 
 Steps: gather token chunks (from text files, or prompts answered first by the target itself),
 run the target over them recording its features and greedy choices, train, then write the
@@ -25,7 +25,7 @@ from pathlib import Path
 
 @dataclasses.dataclass(frozen=True)
 class Refine:
-    """A preset's second stage: go on training its head (`--init`) on the target's short
+    """A preset's later stage: go on training its head (`--init`) on the target's short
     continuations of fresh openings of the same domain. The default model's greedy text turns
     into a phrase loop a few dozen tokens in (docs/speculative.md), so most of a 160-token
     continuation is loop; text that is not yet a loop is what a head has to guess, and
@@ -34,7 +34,7 @@ class Refine:
 
     answer_tokens: int  # continuation length: the benchmark's 48 + the 3 unrolled draft steps
     tokens: int  # self-distilled tokens: openings x (prompt tokens + answer tokens)
-    seed: int  # other windows than the first stage's (seed 0)
+    seed: int  # other windows than the other stages' (the first: seed 0)
     epochs: int
     lr: float
 
@@ -45,10 +45,14 @@ class Preset:
     kind: str
     tokens: int  # self-distilled tokens
     epochs: int | None  # None: the kind's default
-    refine: Refine | None = None
+    refine: tuple[Refine, ...] = ()  # the stages after the first, in order
 
 
 _FRESH_OPENINGS = Refine(answer_tokens=51, tokens=12288 * (96 + 51), seed=1, epochs=3, lr=1e-3)
+# 8,192 more each: the prose head's agreement on held-out pages rises with every doubling of
+# the distinct windows it has seen (BENCHMARKS.md, "The prose head in four stages")
+_MORE_PROSE = tuple(Refine(answer_tokens=51, tokens=8192 * (96 + 51), seed=seed, epochs=3,
+                           lr=1e-3) for seed in (3, 4))
 
 PRESETS = {
     # the prose head trained 6 epochs on 1,048,576 tokens agrees with the target as often as
@@ -58,9 +62,9 @@ PRESETS = {
     # 0.86/0.76/0.65 (BENCHMARKS.md, draft trees; code heads; trees of up to 31 drafts);
     # then 3 epochs on 12,288 fresh openings continued for 51 tokens (BENCHMARKS.md, "More
     # windows of text that is not yet a loop", "The prose head in two stages"); the code head
-    # likewise ("The code head in two stages")
-    "code-head": Preset("code", "head", 1048576, 10, _FRESH_OPENINGS),
-    "prose-head": Preset("prose", "head", 1048576, 12, _FRESH_OPENINGS),
+    # likewise ("The code head in two stages"); the prose head then twice on 8,192 more
+    "code-head": Preset("code", "head", 1048576, 10, (_FRESH_OPENINGS,)),
+    "prose-head": Preset("prose", "head", 1048576, 12, (_FRESH_OPENINGS, *_MORE_PROSE)),
     "code-draft": Preset("code", "draft", 524288, None),
 }
 
@@ -95,7 +99,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-tokens", type=int, default=96,
                    help="--self-distill: tokens in each opening")
     p.add_argument("--epochs", type=int, default=None,
-                   help="default: code-head 10, prose-head 12 (their second stage: 3); 2 draft; "
+                   help="default: code-head 10, prose-head 12 (their later stages: 3); 2 draft; "
                         "head 3 with --self-distill, else 5")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=None, help="default: 3e-3 head, 1e-3 draft")
@@ -121,38 +125,46 @@ def run(args: argparse.Namespace) -> int:
 
     _apply_preset(args)
     console = Console(stderr=True)
-    refine = PRESETS[args.preset].refine if args.preset else None
-    if refine is None:
+    stages = PRESETS[args.preset].refine if args.preset else ()
+    if not stages:
         _stage(args, console)
         return 0
-    first = _first_stage(args, console)
-    _stage(argparse.Namespace(**{
-        **vars(args), "self_distill": True, "answer_tokens": refine.answer_tokens,
-        "max_tokens": refine.tokens, "seed": refine.seed, "epochs": refine.epochs,
-        "lr": refine.lr, "init": str(first)}), console, previous=first)
+    previous, kept = _kept_stage(args, 1, console, None, True)
+    for number, refine in enumerate(stages, 2):
+        later = argparse.Namespace(**{
+            **vars(args), "self_distill": True, "answer_tokens": refine.answer_tokens,
+            "max_tokens": refine.tokens, "seed": refine.seed, "epochs": refine.epochs,
+            "lr": refine.lr, "init": str(previous)})
+        if number <= len(stages):
+            previous, kept = _kept_stage(later, number, console, previous, kept)
+        else:
+            _stage(later, console, previous, number)
     return 0
 
 
-def _first_stage(args: argparse.Namespace, console) -> Path:
-    """A two-stage preset's first head, in $KILN_HOME/speculators/.stages/NAME-1: trained
-    there, or taken as it is when the same command trained it before (it is most of an hour
-    of training, and the second stage may be stopped)."""
+def _kept_stage(args: argparse.Namespace, number: int, console, previous: Path | None,
+                may_keep: bool) -> tuple[Path, bool]:
+    """A preset's head of stage `number` (not its last), in
+    $KILN_HOME/speculators/.stages/NAME-number, and whether it was kept: taken as it is when
+    the same command trained it before on the stages before it as they are (`may_keep`: they
+    were all kept), else trained there. A stage is up to an hour of generating and training,
+    and the stages after it may be stopped."""
     from kiln.spec.resolve import speculators_home
 
-    out = speculators_home() / ".stages" / f"{args.preset}-1"
-    first = argparse.Namespace(**{**vars(args), "out": str(out)})
+    out = speculators_home() / ".stages" / f"{args.preset}-{number}"
+    stage = argparse.Namespace(**{**vars(args), "out": str(out)})
     try:
         before = json.loads((out / "train.json").read_text())["command"]
     except (OSError, ValueError, KeyError, TypeError):
         before = None
     # how many cores trained it does not change it
-    if (isinstance(before, dict) and {**before, "threads": None} ==
-            {**_command(first), "threads": None} and (out / "speculator.json").is_file()):
-        console.print(f"stage 1 of {args.preset}: {out} (trained by this command before)")
-        return out
-    console.print(f"stage 1 of {args.preset} -> {out}")
-    _stage(first, console)
-    return out
+    if (may_keep and isinstance(before, dict) and {**before, "threads": None} ==
+            {**_command(stage), "threads": None} and (out / "speculator.json").is_file()):
+        console.print(f"stage {number} of {args.preset}: {out} (trained by this command before)")
+        return out, True
+    console.print(f"stage {number} of {args.preset} -> {out}")
+    _stage(stage, console, previous, number)
+    return out, False
 
 
 def _command(args: argparse.Namespace) -> dict:
@@ -160,11 +172,12 @@ def _command(args: argparse.Namespace) -> dict:
     return json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "func"}))
 
 
-def _stage(args: argparse.Namespace, console, previous: Path | None = None) -> None:
+def _stage(args: argparse.Namespace, console, previous: Path | None = None,
+           number: int = 1) -> None:
     started = time.perf_counter()
     plan = _Plan.from_args(args)
     if previous is not None:
-        console.print(f"stage 2 of {args.preset}: go on training it on "
+        console.print(f"stage {number} of {args.preset}: go on training it on "
                       f"{args.max_tokens // (args.prompt_tokens + args.answer_tokens)} "
                       f"fresh openings continued for {args.answer_tokens} tokens")
     console.print(f"[bold]train-speculator[/]: {plan.kind} for {plan.model_path} "
@@ -436,6 +449,6 @@ def _save(plan: _Plan, trained, history, record, seconds: float,
         "loss_first": history.loss[0], "loss_last": history.loss[-1],
         "agreement_last": history.accuracy[-1], "agreement_heldout": history.eval_accuracy,
         "seconds": round(seconds, 1)}
-    if previous is not None:  # a preset's first stage, which --init names
+    if previous is not None:  # a preset's stage before, which --init names
         meta["previous_stage"] = json.loads((previous / "train.json").read_text())
     (plan.out / "train.json").write_text(json.dumps(meta, indent=2))
