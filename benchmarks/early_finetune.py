@@ -50,21 +50,18 @@ def _runner(model_path: str, threads: int | None) -> ModelRunner:
 def continue_openings(domain: str, openings: int, prompt_tokens: int, answer_tokens: int,
                       seed: int, threads: int | None) -> tuple[list[list[int]], str]:
     """`openings` windows of the domain's training texts at seeded offsets, each continued
-    greedily by the default model for `answer_tokens` (self-distillation, as the presets do);
-    and the model's path."""
+    greedily by the default model for `answer_tokens`: the preset's self-distillation
+    (`kiln.spec.data.continue_openings` on the texts shuffled by the same seed); and the
+    model's path."""
     llm = LLM(num_threads=threads, max_num_seqs=128, max_num_batched_tokens=4096,
               repetition_guard="off")
     texts = data.domain_corpus(domain)
     random.Random(seed).shuffle(texts)
-    prompts = data.continuation_prompts(data.tokenize_documents(llm.get_tokenizer(), texts),
-                                        openings, prompt_tokens, seed)
-    sequences: list[list[int]] = []
     with Progress() as progress:
-        task = progress.add_task("the target continues the openings", total=len(prompts))
-        for start in range(0, len(prompts), 512):
-            sequences += data.generate_answers(llm, prompts[start:start + 512], answer_tokens,
-                                               ignore_eos=True, show_progress=False)
-            progress.update(task, completed=len(sequences))
+        task = progress.add_task("the target continues the openings", total=None)
+        sequences = data.continue_openings(
+            llm, llm.get_tokenizer(), texts, openings, prompt_tokens, answer_tokens, seed,
+            lambda done, total: progress.update(task, completed=done, total=total))
     return sequences, str(llm.engine.model_path)
 
 

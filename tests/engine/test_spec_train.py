@@ -178,6 +178,23 @@ def test_continuation_prompts_are_seeded_windows_round_robin():
         continuation_prompts([[1, 2]], 3, 8)
 
 
+def test_continue_openings_continues_each_seeded_window(llama_path):
+    """The presets' self-distillation: each seeded window of the texts, then exactly
+    `answer_tokens` of the target's own; in slices of whole batches, progress after each."""
+    from kiln.spec.data import continuation_prompts, continue_openings, tokenize_documents
+
+    llm = LLM(llama_path, dtype="float32", num_threads=1, repetition_guard="off")
+    tok = llm.get_tokenizer()
+    texts = [" ".join(SEEDS) * 3, " ".join(reversed(SEEDS)) * 2]
+    calls: list[tuple[int, int]] = []
+    got = continue_openings(llm, tok, texts, 5, 8, 6, seed=2,
+                            progress=lambda done, total: calls.append((done, total)), batch=2)
+    windows = continuation_prompts(tokenize_documents(tok, texts), 5, 8, seed=2)
+    assert [seq[:8] for seq in got] == windows and len(set(map(tuple, windows))) == 5
+    assert all(len(seq) == 14 for seq in got)
+    assert calls == [(0, 5), (2, 5), (4, 5), (5, 5)]
+
+
 def test_cli_self_distills_from_files(llama_path, tmp_path, monkeypatch, capsys):
     """--self-distill: openings cut from the files, continued by the target; each training
     sequence is one opening plus its continuation (the continuation is the target's own

@@ -298,25 +298,20 @@ def _self_distilled(plan: _Plan, tokenizer, texts: list[str], console) -> list[l
     from kiln.spec import data
 
     a = plan.args
-    n = max(1, a.max_tokens // (a.prompt_tokens + a.answer_tokens))
-    prompts = data.continuation_prompts(data.tokenize_documents(tokenizer, texts), n,
-                                        a.prompt_tokens, a.seed)
     seqs = 128
     llm = LLM(str(plan.model_path), dtype=a.dtype, num_threads=a.threads, max_num_seqs=seqs,
               max_num_batched_tokens=4096, repetition_guard="off")
-    # slices of whole batches (every continuation is as long), at most ~8 of them
-    slice_len = seqs * max(1, -(-len(prompts) // (8 * seqs)))
-    answers: list[list[int]] = []
     with Progress(console=console, transient=False) as progress:
-        task = progress.add_task("the target continues the openings", total=len(prompts))
-        for start in range(0, len(prompts), slice_len):
-            answers += data.generate_answers(llm, prompts[start:start + slice_len],
-                                             a.answer_tokens, ignore_eos=True,
-                                             show_progress=False)
-            progress.update(task, completed=len(answers))
+        task = progress.add_task("the target continues the openings", total=None)
+
+        def show(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
             if not console.is_terminal:
-                console.print(f"continued {len(answers)}/{len(prompts)} openings")
-    return answers
+                console.print(f"continued {done}/{total} openings")
+
+        return data.continue_openings(
+            llm, tokenizer, texts, max(1, a.max_tokens // (a.prompt_tokens + a.answer_tokens)),
+            a.prompt_tokens, a.answer_tokens, a.seed, show, batch=seqs)
 
 
 def _record(plan: _Plan, console):

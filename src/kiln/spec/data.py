@@ -239,6 +239,28 @@ def generate_answers(llm, prompts: list, max_tokens: int, ignore_eos: bool = Fal
     return [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
 
 
+def continue_openings(llm, tokenizer, texts: list[str], n: int, prompt_tokens: int,
+                      answer_tokens: int, seed: int,
+                      progress: Callable[[int, int], None] | None = None,
+                      batch: int = 128) -> list[list[int]]:
+    """Self-distillation from a corpus: `n` openings of `prompt_tokens` tokens cut from the
+    texts at seeded offsets (`continuation_prompts`), each continued greedily by the target
+    `llm` for exactly `answer_tokens`, so the speculator learns the target's own text. It
+    generates in at most ~8 slices of whole batches of `batch` sequences (every continuation
+    is as long) and calls `progress(done, total)` before the first and after each."""
+    prompts = continuation_prompts(tokenize_documents(tokenizer, texts), n, prompt_tokens, seed)
+    slice_len = batch * max(1, -(-len(prompts) // (8 * batch)))
+    answers: list[list[int]] = []
+    if progress is not None:
+        progress(0, len(prompts))
+    for start in range(0, len(prompts), slice_len):
+        answers += generate_answers(llm, prompts[start:start + slice_len], answer_tokens,
+                                    ignore_eos=True, show_progress=False)
+        if progress is not None:
+            progress(len(answers), len(prompts))
+    return answers
+
+
 @dataclass
 class TargetRecord:
     """The target's view of N chunks of S tokens."""
