@@ -19,7 +19,10 @@ on twice the distinct windows shows whether more data of this kind moves agreeme
 `--soft-labels` trains on the target's whole distribution over the draft vocabulary rather
 than its greedy token, `--all-positions` also where the tokens the head is given are not the
 target's own choices (the openings' raw text): neither moved agreement on held-out pages
-(BENCHMARKS.md, "Soft labels, every position, and 16 prompts at batch 1").
+(BENCHMARKS.md, "Soft labels, every position, and 16 prompts at batch 1").`widen` writes a head with a wider MLP that computes what the given one does (the new
+units' gate and up rows at PyTorch's init, their down columns zero), to go on training with
+`kiln train-speculator --init`: whether capacity rather than data limits a head (it did
+not: BENCHMARKS.md, "A fifth prose stage: not shipped").
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from rich.progress import Progress
 from transformers import AutoTokenizer  # noqa: F401  (import before engines start threads)
 
@@ -37,7 +41,7 @@ from kiln import LLM
 from kiln.config import CacheConfig, ModelConfig, ParallelConfig
 from kiln.runner.model_runner import ModelRunner
 from kiln.spec import data
-from kiln.spec.eagle import load_head, save_head
+from kiln.spec.eagle import EagleHead, load_head, save_head
 from kiln.spec.resolve import speculator_path
 from kiln.spec.train import HeadTrainer, TrainConfig, _num_steps, split_sequences
 
@@ -104,6 +108,34 @@ def tune(args: argparse.Namespace) -> None:
           f"on held-out windows {[round(x, 3) for x in history.eval_accuracy]})")
 
 
+def widen(args: argparse.Namespace) -> None:
+    import dataclasses
+
+    head = load_head(speculator_path(args.head or f"{args.domain}-head"), torch.float32)
+    n = head.c.intermediate_size
+    if args.intermediate_size <= n:
+        raise SystemExit(f"--intermediate-size must be above the head's {n}")
+    torch.manual_seed(0)  # the new units' init
+    wide = EagleHead(dataclasses.replace(head.c, intermediate_size=args.intermediate_size),
+                     head.draft_vocab.clone()).float()
+    state = wide.state_dict()
+    for name, value in head.state_dict().items():
+        if name.endswith(("gate_proj.weight", "up_proj.weight")):
+            state[name][:n] = value
+        elif name.endswith("down_proj.weight"):
+            state[name].zero_()
+            state[name][:, :n] = value
+        else:
+            state[name] = value
+    wide.load_state_dict(state)
+    x = torch.randn(4, head.c.hidden_size)
+    same = torch.allclose(*(h.layer.down_proj(F.silu(h.layer.gate_proj(x)) * h.layer.up_proj(x))
+                            for h in (head, wide)), atol=1e-5)
+    assert same, "the widened MLP must compute what the head's did"
+    save_head(wide, Path(args.out), torch.float32)
+    print(f"wrote {args.out}: MLP {n} -> {args.intermediate_size} units")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,7 +162,11 @@ def main() -> int:
                          "given are the target's own greedy choices")
     ft.add_argument("--out", required=True)
     ft.set_defaults(func=tune)
-    for p in (rec, ft):
+    wd = sub.add_parser("widen", help="a head with a wider MLP that computes the same")
+    wd.add_argument("--intermediate-size", type=int, required=True)
+    wd.add_argument("--out", required=True)
+    wd.set_defaults(func=widen)
+    for p in (rec, ft, wd):
         p.add_argument("--domain", choices=["code", "prose"], default="prose")
         p.add_argument("--head", help="speculator (default: the domain's preset)")
         p.add_argument("--threads", type=int, default=None)
