@@ -95,7 +95,8 @@ def tune(args: argparse.Namespace) -> None:
     model_path = str(resolve_model_path(None))
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, ttt_steps=3,
                       feature_layers=tuple(init.c.feature_layers),
-                      soft_labels=args.soft_labels, consistent_only=not args.all_positions)
+                      soft_labels=args.soft_labels, consistent_only=not args.all_positions,
+                      regression_weight=args.regression_weight, seed=args.seed)
     trainer = HeadTrainer(_runner(model_path, args.threads).model, rec, cfg,
                           Path(model_path).name, init)
     started = time.perf_counter()
@@ -160,6 +161,10 @@ def main() -> int:
     ft.add_argument("--all-positions", action="store_true",
                     help="learn at every position, not only where the tokens the head is "
                          "given are the target's own greedy choices")
+    ft.add_argument("--regression-weight", type=float, default=0.1,
+                    help="weight of EAGLE-1's feature regression in the loss (EAGLE-3: 0)")
+    ft.add_argument("--seed", type=int, default=0,
+                    help="held-out split and batch order (a preset stage's: its --seed)")
     ft.add_argument("--out", required=True)
     ft.set_defaults(func=tune)
     wd = sub.add_parser("widen", help="a head with a wider MLP that computes the same")

@@ -11,12 +11,12 @@ equals the target's greedy choice before it ("greedy-consistent" positions): raw
 looks like the target's own output locally, and agreement there estimates acceptance.
 A curriculum trains step 1 alone for the first `first_step_share` of the optimizer steps (a
 third of the cost, and it learns fastest), then all steps together. Loss per step j
-(weighted 0.8^(j-1)): cross-entropy against
-the target's tokens over the draft vocabulary (the most frequent target choices in the
-data); when the head reads the target's final hidden state, the labels are the target's
-whole distribution there (soft labels over the draft vocabulary, recomputed from the
-recorded feature) plus a little of EAGLE-1's feature regression: dense signals that matter
-when the training data is a few tens of thousands of tokens. Forward passes run in bf16
+(weighted 0.8^(j-1)): cross-entropy against the target's greedy tokens over the draft
+vocabulary (the most frequent target choices in the data), or with `soft_labels` against
+its whole distribution there (recomputed from the recorded final hidden state); when the
+head reads that state, plus a little of EAGLE-1's feature regression (`regression_weight`).
+Neither soft labels nor dropping the regression moved a prose head's agreement
+(BENCHMARKS.md). Forward passes run in bf16
 autocast where the CPU has bf16 arithmetic (fp32 elsewhere), and a share of the sequences is
 held out to report agreement on text the head did not train on: other windows of the same
 documents, so it reads higher than on documents never seen (benchmarks/head_agreement.py
