@@ -19,10 +19,12 @@ on twice the distinct windows shows whether more data of this kind moves agreeme
 `--soft-labels` trains on the target's whole distribution over the draft vocabulary rather
 than its greedy token, `--all-positions` also where the tokens the head is given are not the
 target's own choices (the openings' raw text): neither moved agreement on held-out pages
-(BENCHMARKS.md, "Soft labels, every position, and 16 prompts at batch 1").`widen` writes a head with a wider MLP that computes what the given one does (the new
-units' gate and up rows at PyTorch's init, their down columns zero), to go on training with
-`kiln train-speculator --init`: whether capacity rather than data limits a head (it did
-not: BENCHMARKS.md, "A fifth prose stage: not shipped").
+(BENCHMARKS.md, "Soft labels, every position, and 16 prompts at batch 1"), nor did
+`--regression-weight 0` (no feature regression, as EAGLE-3). `widen` writes a head with a
+wider MLP that computes what the given one does (the new units' gate and up rows at
+PyTorch's init, their down columns zero), to go on training with `kiln train-speculator
+--init`: whether capacity rather than data limits a head (it did not: BENCHMARKS.md, "A
+fifth prose stage: not shipped").
 """
 
 from __future__ import annotations

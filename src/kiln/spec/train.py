@@ -13,14 +13,14 @@ A curriculum trains step 1 alone for the first `first_step_share` of the optimiz
 third of the cost, and it learns fastest), then all steps together. Loss per step j
 (weighted 0.8^(j-1)): cross-entropy against the target's greedy tokens over the draft
 vocabulary (the most frequent target choices in the data), or with `soft_labels` against
-its whole distribution there (recomputed from the recorded final hidden state); when the
-head reads that state, plus a little of EAGLE-1's feature regression (`regression_weight`).
+its whole distribution there (recomputed from the recorded final hidden state); and, when
+the head reads that state, a little of EAGLE-1's feature regression (`regression_weight`).
 Neither soft labels nor dropping the regression moved a prose head's agreement
-(BENCHMARKS.md). Forward passes run in bf16
-autocast where the CPU has bf16 arithmetic (fp32 elsewhere), and a share of the sequences is
-held out to report agreement on text the head did not train on: other windows of the same
-documents, so it reads higher than on documents never seen (benchmarks/head_agreement.py
-measures those: the benchmark's prompts).
+(BENCHMARKS.md). Forward passes run in bf16 autocast where the CPU has bf16 arithmetic
+(fp32 elsewhere), and a share of the sequences is held out to report agreement on text the
+head did not train on: other windows of the same documents, so it reads higher than on
+documents never seen (benchmarks/head_agreement.py measures those: the benchmark's
+prompts).
 
 Draft model (`distill_draft`): a Llama with the target's embedding, first n layers and final
 norm (an early-exit model), trained by cross-entropy against the target's greedy tokens, then
