@@ -49,8 +49,9 @@ class Preset:
 
 
 _FRESH_OPENINGS = Refine(answer_tokens=51, tokens=12288 * (96 + 51), seed=1, epochs=3, lr=1e-3)
-# 8,192 more each: the prose head's agreement on held-out pages rises with every doubling of
-# the distinct windows it has seen (BENCHMARKS.md, "The prose head in four stages")
+# 8,192 more each: the prose head's agreement on held-out pages rose with the distinct windows
+# it had seen (BENCHMARKS.md, "The prose head in four stages"); a fifth such stage did not
+# move it ("A fifth prose stage: not shipped")
 _MORE_PROSE = tuple(Refine(answer_tokens=51, tokens=8192 * (96 + 51), seed=seed, epochs=3,
                            lr=1e-3) for seed in (3, 4))
 
@@ -135,9 +136,9 @@ def run(args: argparse.Namespace) -> int:
             **vars(args), "self_distill": True, "answer_tokens": refine.answer_tokens,
             "max_tokens": refine.tokens, "seed": refine.seed, "epochs": refine.epochs,
             "lr": refine.lr, "init": str(previous)})
-        if number <= len(stages):
+        if number <= len(stages):  # kept under .stages for the stages after it
             previous, kept = _kept_stage(later, number, console, previous, kept)
-        else:
+        else:  # the last writes --out
             _stage(later, console, previous, number)
     return 0
 
