@@ -136,6 +136,7 @@ class Bf16Case:
     ([1], [37]),  # one sequence: a job per kv head
     ([1] * 9, [0, 1, 15, 16, 17, 40, 63, 64, 200]),  # many: a job per sequence, all its heads
     ([3, 1, 16, 1, 1], [20, 5, 33, 0, 90]),  # drafts and a 16-token query among decodes
+    ([13], [150]),  # a verify step at batch 1: jobs per kv head and slice of the query
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_decode_kernel_matches_fp32_attention(hq, hkv, d, query_lens, context_lens,
@@ -224,6 +225,34 @@ def test_tree_masks_in_both_backends(dtype, hq, hkv):
     layout.tree_mask = torch.zeros(12, dtype=torch.int64)
     layout.tree_mask[:7] = torch.tensor(bits)
     assert_both_backends_follow_the_bits(dtype, layout, positions, cache, q, k, v, bs)
+
+
+@needs_bf16_dot
+def test_a_tree_split_over_threads_is_the_same_to_the_bit():
+    """At batch 1 with 3 kv heads on 2 threads the bf16 kernel splits a tree's query tokens
+    between jobs: each token's arithmetic is its own, so 1 and 2 threads give the same bits,
+    and both follow the tree's bits."""
+    n = 13
+    layout, positions, cache, q, k, v, bs = random_batch(torch.bfloat16, [n], [150],
+                                                         hq=9, hkv=3)
+    gen = torch.Generator().manual_seed(5)
+    bits = [1]
+    for i in range(1, n):
+        bits.append(bits[int(torch.randint(i, (1,), generator=gen))] | 1 << i)
+    layout.tree_mask = torch.tensor(bits)
+    cpu, scale, outs = CpuPagedAttention(), 64 ** -0.5, []
+    meta = cpu.build_metadata(layout, positions, bs)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            run_cache = tuple(c.clone() for c in cache)
+            outs.append(cpu.forward(q, k, v, run_cache, meta, scale))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    expected = tree_attention_reference(q, run_cache, layout, bs, scale)
+    torch.testing.assert_close(outs[1].float(), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

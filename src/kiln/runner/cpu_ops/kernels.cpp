@@ -441,13 +441,14 @@ inline void softmax_row(float* s, int64_t n) {
 // One task per (sequence, kv head): the group's query heads share each K/V row read.
 // Mask the scores of query tokens [t0, t0 + nq) against their own block's keys ctx + 1 .. :
 // causal, or by each token's tree bits (see paged_attention). rows = nq * group, row stride nk.
+// The tokens are the sequence's query tokens i0 .. i0 + nq - 1 (a job may take part of them).
 inline void mask_query_block(float* scores, const int64_t* tree, int64_t t0, int64_t nq,
-                             int64_t ctx, int64_t nk, int64_t group) {
+                             int64_t ctx, int64_t nk, int64_t group, int64_t i0 = 0) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t m = tree ? tree[t0 + i] : 0;
     for (int64_t j = ctx + 1; j < nk; ++j) {
-      const bool visible = m ? ((m >> (j - ctx)) & 1) != 0 : j - ctx <= i;
+      const bool visible = m ? ((m >> (j - ctx)) & 1) != 0 : j - ctx <= i0 + i;
       if (!visible)
         for (int64_t g = 0; g < group; ++g) scores[(i * group + g) * nk + j] = neg_inf;
     }
@@ -483,19 +484,23 @@ void attend_one(const T* qp, const T* kc, const T* vc, T* op, const int64_t* tab
 }
 
 #if defined(__AVX512BF16__)
-// attend_one for bf16 caches and head dims 64/128, over kv heads [h0, h1) of one sequence at
-// once: each block's cache rows (every head of a slot is one contiguous row) are read in one
-// sweep and the next block's keys and this block's values are prefetched, so a sequence's KV
-// streams from memory instead of arriving head by head in scattered lines.
+// attend_one for bf16 caches and head dims 64/128, over kv heads [h0, h1) and query tokens
+// [i0, i1) of one sequence at once: each block's cache rows (every head of a slot is one
+// contiguous row) are read in one sweep and the next block's keys and this block's values are
+// prefetched, so a sequence's KV streams from memory instead of arriving head by head in
+// scattered lines. Each query row's arithmetic is the same whichever others share its job.
 template <int D>
 void attend_heads_bf16(const at::BFloat16* qp, const at::BFloat16* kc,
                        const at::BFloat16* vc, at::BFloat16* op, const int64_t* table,
-                       int64_t t0, int64_t nq, int64_t ctx, int64_t h0, int64_t h1,
+                       int64_t t0, int64_t i0, int64_t i1, int64_t ctx, int64_t h0, int64_t h1,
                        int64_t hkv, int64_t group, int64_t q_row, int64_t q_head,
                        int64_t block_size, float scale, const int64_t* tree,
                        std::vector<uint16_t>& qb, std::vector<float>& scores,
                        std::vector<float>& acc) {
-  const int64_t nk = ctx + nq, rows = nq * group, heads = h1 - h0, stride = hkv * D;
+  // token i sees keys up to ctx + i: the job's last token bounds the keys it reads
+  const int64_t nq = i1 - i0, nk = ctx + i1, rows = nq * group, heads = h1 - h0;
+  const int64_t stride = hkv * D;
+  t0 += i0;
   qb.resize(heads * rows * D);
   for (int64_t h = h0; h < h1; ++h)
     for (int64_t i = 0; i < nq; ++i)
@@ -517,7 +522,7 @@ void attend_heads_bf16(const at::BFloat16* qp, const at::BFloat16* kc,
   }
   for (int64_t h = 0; h < heads; ++h) {
     float* sh = scores.data() + h * rows * nk;
-    mask_query_block(sh, tree, t0, nq, ctx, nk, group);
+    mask_query_block(sh, tree, t0, nq, ctx, nk, group, i0);
     for (int64_t r = 0; r < rows; ++r) softmax_row(sh + r * nk, nk);
   }
   acc.resize(heads * rows * D);
@@ -561,18 +566,30 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   const int64_t* tree = tree_mask.has_value() ? tm.data_ptr<int64_t>() : nullptr;
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16 && (d == 64 || d == 128)) {
-    // a job per sequence (all its heads) when there are enough to share out, else per head
-    const int64_t per_job = num_seqs >= 2 * at::get_num_threads() ? hkv : 1;
+    // a job per sequence (all its heads) when there are enough to share out, else per head;
+    // and where too few per-head jobs would leave threads idle (a verify step at batch 1: 3
+    // kv heads on 2 threads is one thread's 2 heads against the other's 1), per head and
+    // slice of the sequence's query tokens
+    const int64_t threads = at::get_num_threads();
+    const int64_t per_job = num_seqs >= 2 * threads ? hkv : 1;
     const int64_t jobs_per_seq = hkv / per_job;
+    int64_t max_q = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) max_q = std::max(max_q, qlp[s]);
+    const int64_t slices = (per_job == 1 && (num_seqs * hkv) % threads != 0)
+                               ? std::min(threads, max_q) : 1;
     const auto f = d == 64 ? &attend_heads_bf16<64> : &attend_heads_bf16<128>;
-    at::parallel_for(0, num_seqs * jobs_per_seq, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, num_seqs * jobs_per_seq * slices, 1, [&](int64_t begin, int64_t end) {
       std::vector<uint16_t> qb;
       std::vector<float> scores, acc;
       for (int64_t job = begin; job < end; ++job) {
-        const int64_t s = job / jobs_per_seq, h0 = job % jobs_per_seq * per_job;
+        const int64_t slice = job % slices, head_job = job / slices;
+        const int64_t s = head_job / jobs_per_seq, h0 = head_job % jobs_per_seq * per_job;
+        // equal slices of the query tokens (token i reads ctx + i + 1 keys: about equal work)
+        const int64_t nq = qlp[s], i0 = nq * slice / slices, i1 = nq * (slice + 1) / slices;
+        if (i0 == i1) continue;
         f(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
           v_cache.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), btp + s * bt_width,
-          qsp[s], qlp[s], cxp[s], h0, h0 + per_job, hkv, group, q.stride(0), q.stride(1),
+          qsp[s], i0, i1, cxp[s], h0, h0 + per_job, hkv, group, q.stride(0), q.stride(1),
           block_size, static_cast<float>(scale), tree, qb, scores, acc);
       }
     });
