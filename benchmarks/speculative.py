@@ -7,8 +7,10 @@ ratio), n-gram, draft model (the `code-draft` preset), code head, prose head
 (presets built by `kiln train-speculator --preset NAME`; missing ones are skipped), and each
 head with `ngram_first` ("+ng": an n-gram match's drafts where the text has one); draft trees
 ("-tree", "+ngt": --tree-width and --tree-size, or a shape of their own, NAME@WIDTHxSIZE, so
-tree shapes compare in one run); `--head NAME=DIR` adds a head of one's own as NAME and
-NAME+ngt, to compare two heads in one run. Domains:
+tree shapes compare in one run: a fixed tree, the k * WIDTH likeliest nodes; NAME@WIDTHxSIZE:P
+the head's nodes of path probability at least P, up to SIZE: `SpeculativeConfig.tree_min_prob`,
+0.03 by default); `--head NAME=DIR` adds a head of
+one's own as NAME and NAME+ngt, to compare two heads in one run. Domains:
 code prompts (the opening of held-out standard-library files) and prose prompts (windows of
 the held-out pages of the prose domain: the Python documentation when `python3-doc` is
 installed, else the pydoc topics), never text the speculators were trained on. Batch 1 runs three
@@ -90,25 +92,36 @@ def config_name(name: str) -> str:
         raise argparse.ArgumentTypeError(f"unknown configuration {base!r}; one of "
                                           f"{', '.join(CONFIGS)}")
     if at:
+        shape, colon, floor = shape.partition(":")
         width, x, size = shape.partition("x")
         if not (base.endswith(TREES) and x and width.isdigit() and size.isdigit()):
             raise argparse.ArgumentTypeError(f"{name!r}: only -tree and +ngt configurations "
-                                              "take a shape, as NAME@WIDTHxSIZE")
+                                              "take a shape, as NAME@WIDTHxSIZE[:MIN_PROB]")
         if not (1 <= int(width) <= MAX_TREE_WIDTH and 1 <= int(size) <= MAX_TREE_DRAFTS):
             raise argparse.ArgumentTypeError(f"{name!r}: width in [1, {MAX_TREE_WIDTH}], size "
                                               f"in [1, {MAX_TREE_DRAFTS}]")
+        try:
+            if colon and not 0 < float(floor) < 1:
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name!r}: MIN_PROB (a tree by probability) "
+                                              "in (0, 1)") from None
     return name
 
 
-def tree_shape(name: str, args) -> tuple[int, int]:
-    """(tree width, tree size) of a configuration: 1 wide unless it drafts trees."""
+def tree_shape(name: str, args) -> tuple[int, int, float | None]:
+    """(tree width, tree size, tree_min_prob) of a configuration: 1 wide unless it drafts
+    trees; "NAME@WxS" a fixed tree (the k * W likeliest, up to S), "NAME@WxS:P" the head's
+    nodes of path probability >= P, up to S; without a shape --tree-width, --tree-size and
+    --tree-min-prob (None: the engine's defaults)."""
     base, _, shape = name.partition("@")
     if not base.endswith(TREES):
-        return 1, args.tree_size
+        return 1, args.tree_size, None
     if shape:
+        shape, colon, floor = shape.partition(":")
         width, _, size = shape.partition("x")
-        return int(width), int(size)
-    return args.tree_width, args.tree_size
+        return int(width), int(size), float(floor) if colon else 0.0
+    return args.tree_width, args.tree_size, args.tree_min_prob
 
 
 @dataclass
@@ -206,12 +219,13 @@ def build(name: str, args) -> LLM | None:
             print(f"skipping {name}: no {speculators_home() / speculator} and none shipped "
                   f"(kiln train-speculator --preset {speculator})")
             return None
-    width, size = tree_shape(name, args)
+    width, size, min_prob = tree_shape(name, args)
     return LLM(max_model_len=1024, kv_cache_memory=96 << 20, max_num_seqs=8,
                num_threads=args.threads, speculator=speculator,
                speculative_config=SpeculativeConfig(
                    ngram_first=name.partition("@")[0].endswith(("+ng", "+ngt")),
-                   tree_width=width, tree_size=size, adaptive=not args.no_adaptive,
+                   tree_width=width, tree_size=size, tree_min_prob=min_prob,
+                   adaptive=not args.no_adaptive,
                    num_speculative_tokens=args.num_speculative_tokens)
                if speculator else None)
 
@@ -256,6 +270,9 @@ def main() -> int:
                         help="always draft k (acceptance of k drafts, not what pays)")
     parser.add_argument("--tree-size", type=int, default=15,
                         help="most drafts per tree in the -tree and +ngt configs")
+    parser.add_argument("--tree-min-prob", type=float, default=None,
+                        help="the head's tree by probability in the -tree and +ngt configs "
+                             "without a shape (default: the engine's)")
     parser.add_argument("--head", action="append", default=[], metavar="NAME=DIR",
                         type=extra_head,
                         help="also offer the head in DIR as configurations NAME and "

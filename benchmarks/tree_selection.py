@@ -19,6 +19,10 @@ have had accepted there. Shapes replayed:
 - by value: every node of the W-wide beam ranked by its path probability, lookup's first
   continuation in front and its others ranked as if each token were right 8% of the time at
   depth 1 and 30% deeper (the rates measured here), the N likeliest kept;
+- by probability (`SpeculativeConfig.tree_min_prob`): the W-wide beam's nodes whose path
+  probability reaches a floor P, at most N, lookup's first continuation in front and its
+  others left out; so the number of drafts differs from step to step, and each row reports
+  the mean drafts per tree beside what it accepted;
 - the head's calibration: how often a node was right where its parent was, by the head's own
   probability for it (a calibrated head's path probabilities are the right ranking).
 
@@ -40,7 +44,7 @@ from kiln import LLM, SamplingParams
 from kiln.bench.result import cpu_summary
 from kiln.config import SpeculativeConfig
 from kiln.spec.data import code_prompts, prose_prompts, prose_source
-from kiln.spec.head import _best_nodes
+from kiln.spec.head import _best_nodes, tree_node_count
 from kiln.spec.proposer import Draft, DraftTrie
 from kiln.spec.resolve import speculator_path
 from kiln.spec.verify import children_of
@@ -48,6 +52,9 @@ from kiln.spec.verify import children_of
 K, WIDEST, LARGEST = 3, 8, 31
 SHAPES = [(3, 9), (3, 12), (4, 12), (6, 12), (8, 12), (4, 15), (6, 16), (8, 16), (8, 20),
           (8, 24), (6, 31), (8, 31)]
+FLOORS = ([(w, p, 12) for w in (3, 4) for p in (0.05, 0.04, 0.03, 0.02)]
+          + [(w, p, 20) for w in (4, 5, 6, 8) for p in (0.03, 0.02, 0.015, 0.012, 0.01)]
+          + [(8, 0.015, 31), (8, 0.01, 31)])
 OTHER_LOOKUP = (0.08, 0.3)  # lookup's other continuations: right at depth 1, then per depth
 
 
@@ -58,7 +65,8 @@ def record(domain: str, n_prompts: int, threads: int, contexts: bool = False) ->
     llm = LLM(max_model_len=1024, kv_cache_memory=96 << 20, max_num_seqs=1,
               num_threads=threads, speculator=str(speculator_path(f"{domain}-head")),
               speculative_config=SpeculativeConfig(
-                  ngram_first=True, tree_width=WIDEST, tree_size=LARGEST, adaptive=False,
+                  ngram_first=True, tree_width=WIDEST, tree_size=LARGEST, tree_min_prob=0.0,
+                  adaptive=False,
                   num_speculative_tokens=K))
     spec = llm.engine.speculator
     seen: dict = {"head": None, "lookup": None}
@@ -166,6 +174,23 @@ def kiln_rule(step: dict, width: int, size: int) -> Draft:
     return trie.draft()
 
 
+def by_probability(step: dict, width: int, floor: float, size: int) -> Draft:
+    lookup = lookup_draft(step, width, size)
+    if step["head"] is None:
+        return lookup or Draft()
+    nodes = step["head"]
+    kept = beam(nodes, width)
+    position = {n: i for i, n in enumerate(kept)}
+    beam_nodes = [(lp, d, t, position.get(p, -1)) for lp, d, t, p in (nodes[n] for n in kept)]
+    head = _best_nodes(beam_nodes, tree_node_count(beam_nodes, K * width, floor, size))
+    if lookup is None:
+        return head.limit(K, size)
+    trie = DraftTrie(size)
+    trie.add_draft(lookup.main_chain())
+    trie.add_draft(head)
+    return trie.draft()
+
+
 def by_value(step: dict, width: int, size: int) -> Draft:
     value: dict[tuple, float] = {}
     if step["head"] is not None:
@@ -217,17 +242,26 @@ def plot(result: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for domain, rows in result["domains"].items():
-        for rule, style in (("kiln", "-o"), ("by value", "--s")):
-            best: dict[int, float] = {}
-            for row in rows["shapes"]:
-                best[row["size"]] = max(best.get(row["size"], 0.0), row[rule])
-            sizes = sorted(best)
-            ax.plot(sizes, [best[s] for s in sizes], style, label=f"{domain}, {rule}")
+        best: dict[int, dict] = {}  # kiln's rule: the best beam width per tree size
+        for row in rows["shapes"]:
+            if row["kiln"] >= best.get(row["size"], {"kiln": -1.0})["kiln"]:
+                best[row["size"]] = row
+        kiln = sorted(best.values(), key=lambda r: r["kiln drafts"])
+        ax.plot([r["kiln drafts"] for r in kiln], [r["kiln"] for r in kiln], "-o",
+                label=f"{domain}, kiln's rule (fixed size)")
+        groups = collections.defaultdict(list)  # by probability: one line per beam and size
+        for r in rows.get("by_probability", []):
+            groups[(r["width"], r["size"])].append((r["drafts"], r["accepted"]))
+        for (width, size), pts in sorted(groups.items()):
+            if len(pts) > 1:
+                xs, ys = zip(*sorted(pts), strict=True)
+                ax.plot(xs, ys, "--s", ms=3, lw=1,
+                        label=f"{domain}, by probability, {width} wide, up to {size}")
     ax.axhline(2.0, color="grey", lw=0.8, ls=":")
-    ax.set_xlabel("drafts per tree (best beam width per size)")
+    ax.set_xlabel("drafts verified per step (mean)")
     ax.set_ylabel("drafts accepted per verify step (of 3)")
     ax.set_title("Tree size and ordering, replayed on recorded 8 x 31 trees")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -250,10 +284,23 @@ def main() -> int:
             for name, rule in (("kiln", kiln_rule), ("by value", by_value)):
                 row[name] = round(sum(accepted(rule(s, width, size), s["true"])
                                       for s in steps) / len(steps), 3)
+            row["kiln drafts"] = round(sum(len(kiln_rule(s, width, size).token_ids)
+                                           for s in steps) / len(steps), 2)
             shapes.append(row)
-            print(f"  {domain} {width} x {size}: kiln {row['kiln']:.3f}, "
-                  f"by value {row['by value']:.3f}")
+            print(f"  {domain} {width} x {size}: kiln {row['kiln']:.3f} "
+                  f"({row['kiln drafts']:.1f} drafts), by value {row['by value']:.3f}")
+        floors = []
+        for width, floor, size in FLOORS:
+            trees = [by_probability(s, width, floor, size) for s in steps]
+            row = {"width": width, "min_prob": floor, "size": size,
+                   "accepted": round(sum(accepted(t, s["true"]) for t, s in
+                                         zip(trees, steps, strict=True)) / len(steps), 3),
+                   "drafts": round(sum(len(t.token_ids) for t in trees) / len(steps), 2)}
+            floors.append(row)
+            print(f"  {domain} {width} wide, p >= {floor}, up to {size}: {row['accepted']:.3f} "
+                  f"accepted, {row['drafts']:.1f} drafts")
         result["domains"][domain] = {"steps": len(steps), "shapes": shapes,
+                                     "by_probability": floors,
                                      "calibration": calibration(steps)}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

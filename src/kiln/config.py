@@ -186,6 +186,11 @@ DEFAULT_TREE_DRAFTS = 15  # tree_size by default (lookup's and a draft model's)
 # measured on code at batch 1 (BENCHMARKS.md, "Lookup's continuation first" and "Trees by
 # default for a head"); chains elsewhere, as SGLang's EAGLE picks a tree for its users
 HEAD_TREE_WIDTH, HEAD_TREE_DRAFTS = 3, 12
+# and those trees hold the head's nodes of path probability >= this (tree_min_prob): a step
+# verifies few drafts where the head is sure and up to 12 where it is not. At batch 1, k = 3
+# forced, 32 prompts, it ran 1.06x the fixed 3 x 12 on both code and prose with about the same
+# drafts accepted (BENCHMARKS.md, "Trees by probability")
+HEAD_TREE_MIN_PROB = 0.03
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,14 @@ class SpeculativeConfig:
     # head's, then lookup's others). None: HEAD_TREE_DRAFTS for a head, DEFAULT_TREE_DRAFTS
     # otherwise
     tree_size: int | None = None
+    # a head's tree by probability (a dynamic tree size): the head's nodes whose path
+    # probability is at least this, up to tree_size of them, rather than its `k * width`
+    # likeliest (with ngram_first, lookup's first continuation still goes first and its others
+    # stay out). The head's probabilities are calibrated, so a step where it is sure verifies
+    # a few drafts and one where it is not verifies many: more accepted per draft verified
+    # (BENCHMARKS.md, "Trees by probability"). 0: a fixed size, the `k * width` likeliest;
+    # None: HEAD_TREE_MIN_PROB for a head (lookup's and a draft model's trees have no floor)
+    tree_min_prob: float | None = None
     # trees only in steps where at most this many sequences decode (chains above): at small
     # batches a step's cost hardly grows with its query tokens, at larger ones a tree's
     # extra tokens cost more than they bring (BENCHMARKS.md, draft trees)
@@ -241,6 +254,8 @@ class SpeculativeConfig:
         if self.tree_size is not None and not 1 <= self.tree_size <= MAX_TREE_DRAFTS:
             raise ValueError(f"tree_size must be in [1, {MAX_TREE_DRAFTS}], got "
                              f"{self.tree_size}")
+        if self.tree_min_prob is not None and not 0 <= self.tree_min_prob < 1:
+            raise ValueError(f"tree_min_prob must be in [0, 1), got {self.tree_min_prob}")
         if self.tree_max_batch < 1:
             raise ValueError(f"tree_max_batch must be >= 1, got {self.tree_max_batch}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
@@ -248,13 +263,16 @@ class SpeculativeConfig:
 
     def resolved(self) -> SpeculativeConfig:
         """This config with its method's defaults in place of None (what the engine runs):
-        a head drafts trees with lookup joined, lookup and a draft model chains alone."""
+        a head drafts trees by probability with lookup joined, lookup and a draft model chains
+        alone."""
         head = self.method == "head"
         return dataclasses.replace(
             self,
             ngram_first=head if self.ngram_first is None else self.ngram_first,
             tree_width=self.tree_width or (HEAD_TREE_WIDTH if head else 1),
-            tree_size=self.tree_size or (HEAD_TREE_DRAFTS if head else DEFAULT_TREE_DRAFTS))
+            tree_size=self.tree_size or (HEAD_TREE_DRAFTS if head else DEFAULT_TREE_DRAFTS),
+            tree_min_prob=(self.tree_min_prob if self.tree_min_prob is not None
+                           else HEAD_TREE_MIN_PROB if head else 0.0))
 
 
 # -- cluster (kiln.cluster) ---------------------------------------------------------------------

@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.config import HEAD_TREE_DRAFTS, HEAD_TREE_WIDTH, MAX_TREE_DRAFTS, SpeculativeConfig
+from kiln.config import (
+    HEAD_TREE_DRAFTS,
+    HEAD_TREE_MIN_PROB,
+    HEAD_TREE_WIDTH,
+    MAX_TREE_DRAFTS,
+    SpeculativeConfig,
+)
 from kiln.engine.scheduler import tree_depths
 from kiln.spec.proposer import Draft, DraftTrie, register_proposer
 
@@ -672,7 +678,8 @@ def test_head_trees_are_lossless(ngram_first, reference, llama_path, head_path, 
     placed = placed_trees(monkeypatch)
     llm = LLM(llama_path, dtype="float32", num_threads=1, max_num_batched_tokens=48,
               speculator=head_path, speculative_config=SpeculativeConfig(
-                  adaptive=False, tree_width=2, ngram_first=ngram_first, tree_max_batch=2))
+                  adaptive=False, tree_width=2, tree_min_prob=0.0, ngram_first=ngram_first,
+                  tree_max_batch=2))
     if ngram_first:  # one-token matches go to the head (and join its tree), longer to lookup
         llm.engine.speculator._lookup_pays = lambda batch, n, *controllers: n > 1
     shapes = []
@@ -693,21 +700,26 @@ def test_head_trees_are_lossless(ngram_first, reference, llama_path, head_path, 
 
 def test_a_head_drafts_trees_with_lookup_joined_by_default(reference, llama_path, head_path,
                                                           monkeypatch):
-    """Named with nothing else set, a head drafts HEAD_TREE_WIDTH-wide trees of up to
-    HEAD_TREE_DRAFTS drafts where one sequence decodes (chains above: tree_max_batch 1),
-    lookup's matches joining them; greedy output unchanged."""
+    """Named with nothing else set, a head drafts trees from a HEAD_TREE_WIDTH-wide beam,
+    its nodes of path probability >= HEAD_TREE_MIN_PROB up to HEAD_TREE_DRAFTS, where one
+    sequence decodes (chains above: tree_max_batch 1), lookup's matches joining them; greedy
+    output unchanged."""
     _, ps, params, expected = reference
     placed = placed_trees(monkeypatch)
     llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
               speculative_config=SpeculativeConfig(adaptive=False))
     spec = llm.engine.speculator
     assert (spec.config.tree_width, spec.config.tree_size, spec.config.ngram_first,
-            spec.config.tree_max_batch) == (HEAD_TREE_WIDTH, HEAD_TREE_DRAFTS, True, 1)
+            spec.config.tree_max_batch, spec.config.tree_min_prob) == (
+                HEAD_TREE_WIDTH, HEAD_TREE_DRAFTS, True, 1, HEAD_TREE_MIN_PROB)
+    assert spec.proposer.min_prob == HEAD_TREE_MIN_PROB
     assert spec.lookup is not None
+    widths, real = [], spec.proposer._tree_nodes
+    spec.proposer._tree_nodes = lambda *a: widths.append(a[-1]) or real(*a)
     one = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(ps, params, strict=True)]
     assert ids(one) == expected
     trees = [item.draft_parents for item in placed]
-    assert any(t.count(-1) >= HEAD_TREE_WIDTH for t in trees)  # the head's first drafts
+    assert trees and set(widths) == {HEAD_TREE_WIDTH}
     assert max(len(t) for t in trees) <= HEAD_TREE_DRAFTS
 
 
@@ -720,7 +732,7 @@ def test_trees_of_up_to_31_drafts_are_lossless(kernels, reference, llama_path, h
     placed = placed_trees(monkeypatch)
     llm = LLM(llama_path, dtype="float32", num_threads=1, max_num_batched_tokens=128,
               kernels=kernels, speculator=head_path, speculative_config=SpeculativeConfig(
-                  adaptive=False, tree_width=8, tree_size=31, ngram_first=True,
+                  adaptive=False, tree_width=8, tree_size=31, tree_min_prob=0.0, ngram_first=True,
                   tree_max_batch=8))
     llm.engine.speculator._lookup_pays = lambda batch, n, *rest: False  # every match merges
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
@@ -736,7 +748,8 @@ def test_a_full_merged_tree_keeps_lookups_first_continuation_whole(reference, ll
     _, ps, params, expected = reference
     llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
               speculative_config=SpeculativeConfig(adaptive=False, tree_width=2, tree_size=6,
-                                                   ngram_first=True, tree_max_batch=8))
+                                                   tree_min_prob=0.0, ngram_first=True,
+                                                   tree_max_batch=8))
     spec, merged = llm.engine.speculator, []
     spec._lookup_pays = lambda batch, n, *rest: False  # every match merges
     real = spec._merge
@@ -760,6 +773,54 @@ def test_a_full_merged_tree_keeps_lookups_first_continuation_whole(reference, ll
         assert len(out.token_ids) == 6 and has_path(out, first)
         assert has_path(out, model.main_chain().token_ids[:1])  # the head's likeliest draft
     assert any(not set(o.token_ids) <= set(m.token_ids) for _, m, _, o in full)
+
+
+def test_head_trees_by_probability_are_lossless(reference, llama_path, head_path):
+    """tree_min_prob: each step's head tree holds exactly the beam's nodes whose path
+    probability reaches the floor (at least one, at most tree_size), so trees differ in size
+    from step to step; greedy output unchanged. The floor is the median path probability
+    this head gives its nodes without one."""
+    _, ps, params, expected = reference
+    llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
+              speculative_config=SpeculativeConfig(adaptive=False, tree_width=4, tree_size=20,
+                                                   tree_min_prob=0.5, ngram_first=False,
+                                                   tree_max_batch=8))
+    proposer = llm.engine.speculator.proposer
+    real_nodes, real_tree = proposer._tree_nodes, proposer._tree
+    seen, trees = [], []
+    proposer._tree_nodes = lambda *a: seen.append(real_nodes(*a)) or seen[-1]
+    proposer._tree = lambda *a: trees.append(real_tree(*a)) or trees[-1]
+    proposer.min_prob = None  # a first pass without the floor: the 3 * 4 likeliest nodes
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    assert max(len(d.token_ids) for t in trees for d in t) == 12
+    lps = sorted(lp for batch in seen for nodes in batch for lp, *_ in nodes)
+    floor = math.exp(lps[len(lps) // 2])
+    seen.clear()
+    trees.clear()
+    proposer.min_prob = floor
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    sizes = []
+    for batch, drafts in zip(seen, trees, strict=True):
+        for nodes, draft in zip(batch, drafts, strict=True):
+            above = sum(1 for lp, *_ in nodes if lp >= math.log(floor))
+            assert len(draft.token_ids) == max(1, min(20, above))
+            sizes.append(len(draft.token_ids))
+    assert len(set(sizes)) > 2 and max(sizes) > 12  # more than the fixed 12 where it is sure
+
+
+def test_a_tree_by_probability_leaves_lookups_other_continuations_out(llama_path, head_path):
+    """With tree_min_prob a merged tree holds lookup's first continuation and the head's
+    nodes, not lookup's other continuations (at 0, a fixed tree, they fill the room left)."""
+    lookup = Draft([1, 2, 3, 7, 8], None, [-1, 0, 1, -1, 3])  # two continuations: 1 2 3, 7 8
+    model = Draft([4, 5, 6], None, [-1, 0, -1])
+    merged = {}
+    for floor in (0.0, 0.02):
+        llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
+                  speculative_config=SpeculativeConfig(adaptive=False, tree_width=2,
+                                                       tree_size=12, tree_min_prob=floor))
+        merged[floor] = llm.engine.speculator._merge(lookup, model, 3)
+    assert merged[0.0] == Draft([1, 2, 3, 4, 5, 6, 7, 8], None, [-1, 0, 1, -1, 3, -1, -1, 6])
+    assert merged[0.02] == Draft([1, 2, 3, 4, 5, 6], None, [-1, 0, 1, -1, 3, -1])
 
 
 @pytest.mark.parametrize("ngram_first", [False, True])

@@ -48,10 +48,17 @@ def test_packed_head_matches_the_plain_head(ops_name, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_batch_int8_linear(dtype):
-    """int8 weight-only rows serve inputs of up to INT8_GEMV_MAX_TOKENS rows, within int8's
-    rounding of the dense product; larger inputs take the dense weight exactly."""
+    """int8 weight-only rows serve inputs of up to INT8_GEMV_MAX_TOKENS rows (at most
+    ONEDNN_MAX_INT8_ROWS beside a oneDNN-packed bf16 copy, which is faster from there), within
+    int8's rounding of the dense product; larger inputs take the dense weight exactly."""
+    from kiln.models.layers.onednn import OneDNNLinearMethod
     from kiln.quant.kernels import INT8_GEMV_MAX_TOKENS
-    from kiln.spec.eagle import SmallBatchInt8, int8_gemv_available, packed_linear
+    from kiln.spec.eagle import (
+        ONEDNN_MAX_INT8_ROWS,
+        SmallBatchInt8,
+        int8_gemv_available,
+        packed_linear,
+    )
 
     if not int8_gemv_available():
         pytest.skip("kiln's C++ kernels did not build here")  # the dense path is then used
@@ -59,8 +66,11 @@ def test_small_batch_int8_linear(dtype):
     weight = torch.randn(96, 64, dtype=dtype)
     linear = packed_linear(weight, int8=True)
     assert isinstance(linear, SmallBatchInt8)
-    small, large = torch.randn(3, 64, dtype=dtype), torch.randn(INT8_GEMV_MAX_TOKENS + 1, 64,
-                                                               dtype=dtype)
+    onednn = isinstance(linear.dense.method, OneDNNLinearMethod)
+    assert linear.max_rows == (min(INT8_GEMV_MAX_TOKENS, ONEDNN_MAX_INT8_ROWS) if onednn
+                               else INT8_GEMV_MAX_TOKENS)
+    small = torch.randn(3, 64, dtype=dtype)
+    large = torch.randn(linear.max_rows + 1, 64, dtype=dtype)
     with torch.inference_mode():
         want = (small.float() @ weight.float().T)
         got = linear(small).float()

@@ -11,7 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.config import DEFAULT_TREE_DRAFTS, HEAD_TREE_DRAFTS, HEAD_TREE_WIDTH, SpeculativeConfig
+from kiln.config import (
+    DEFAULT_TREE_DRAFTS,
+    HEAD_TREE_DRAFTS,
+    HEAD_TREE_MIN_PROB,
+    HEAD_TREE_WIDTH,
+    SpeculativeConfig,
+)
 from kiln.spec.adaptive import AdaptiveK, TreeChoice, batch_bucket
 from kiln.spec.ngram import TokenIndex, ngram_match, ngram_tree, propose_ngram
 from kiln.spec.proposer import Draft, DraftTrie
@@ -372,14 +378,20 @@ def test_serve_flags_carry_ngram_first_speculator_int8_and_adaptive(tmp_path):
             and SpeculativeConfig(tree_size=31).resolved().tree_size == 31)
     with pytest.raises(ValueError, match=r"tree_size must be in \[1, 31\], got 32"):
         SpeculativeConfig(tree_size=32)
+    argv += ["--speculative-tree-min-prob", "0.02"]
+    assert engine_config(build_parser(argv).parse_args(argv), 1).speculative.tree_min_prob == 0.02
+    assert SpeculativeConfig().tree_min_prob is None  # the method's default
+    for bad in (1.0, -0.5):
+        with pytest.raises(ValueError, match=rf"tree_min_prob must be in \[0, 1\), got {bad}"):
+            SpeculativeConfig(tree_min_prob=bad)
     argv = ["serve"]
     assert engine_config(build_parser(argv).parse_args(argv), 1).speculative is None
 
 
 def test_a_head_drafts_trees_with_lookup_joined_unless_told_otherwise(tmp_path):
-    """A head's defaults are the shape measured fastest at batch 1 (3 wide, 12 drafts,
-    lookup's continuation in the tree); lookup and draft models keep chains; any flag or
-    field given explicitly wins."""
+    """A head's defaults are the shape measured fastest at batch 1 (3 wide, up to 12 drafts
+    of path probability >= 0.03, lookup's continuation in the tree); lookup and draft models
+    keep chains (no floor); any flag or field given explicitly wins."""
     from kiln.cli import build_parser
     from kiln.serve.cli import engine_config
 
@@ -391,7 +403,14 @@ def test_a_head_drafts_trees_with_lookup_joined_unless_told_otherwise(tmp_path):
         spec = engine_config(build_parser(argv).parse_args(argv), 1).speculative
         return spec.ngram_first, spec.tree_width, spec.tree_size, spec.tree_max_batch
 
+    def floor(*flags):
+        argv = ["serve", *flags]
+        return engine_config(build_parser(argv).parse_args(argv), 1).speculative.tree_min_prob
+
     assert shape("--speculator", str(head)) == (True, HEAD_TREE_WIDTH, HEAD_TREE_DRAFTS, 1)
+    assert floor("--speculator", str(head)) == HEAD_TREE_MIN_PROB == 0.03
+    assert floor("--speculator", str(draft)) == floor("--speculator", "ngram") == 0.0
+    assert floor("--speculator", str(head), "--speculative-tree-min-prob", "0") == 0.0
     assert shape("--speculator", str(draft)) == (False, 1, DEFAULT_TREE_DRAFTS, 1)
     assert shape("--speculator", "ngram") == (False, 1, DEFAULT_TREE_DRAFTS, 1)
     assert shape("--speculator", str(head), "--no-ngram-first",
@@ -454,6 +473,26 @@ def test_head_tree_keeps_its_likeliest_nodes_likeliest_first():
     # the 5 likeliest: 10, then 20 and its child 30 (a tie: the shallower first), 31, 21
     assert _best_nodes(nodes, 5) == Draft([10, 20, 30, 31, 21], None, [-1, 0, 1, 1, 0])
     assert _best_nodes(nodes, 3) == Draft([10, 20, 30], None, [-1, 0, 1])
+
+
+def test_a_tree_by_probability_keeps_the_nodes_that_clear_the_floor():
+    """tree_min_prob: the nodes whose path probability reaches the floor (at least one, at
+    most the tree size), whatever the beam's width; without a floor the k * width likeliest."""
+    import math
+
+    from kiln.spec.head import _best_nodes, tree_node_count
+
+    nodes = [(-0.1, 1, 10, -1), (-2.0, 1, 11, -1),
+             (-0.3, 2, 20, 0), (-1.5, 2, 21, 0), (-2.5, 2, 22, 1), (-3.0, 2, 23, 1),
+             (-0.3, 3, 30, 2), (-0.9, 3, 31, 2), (-1.6, 3, 32, 3), (-4.0, 3, 33, 3)]
+    assert tree_node_count(nodes, 6, None, 12) == 6
+    assert tree_node_count(nodes, 6, math.exp(-1.0), 12) == 4  # 10, 20, 30, 31
+    assert tree_node_count(nodes, 6, math.exp(-2.05), 12) == 7  # and 21, 11 (-2.0), 32
+    assert tree_node_count(nodes, 6, math.exp(-2.05), 5) == 5  # the tree size caps it
+    assert tree_node_count(nodes, 6, 0.99, 12) == 1  # the likeliest draft at least
+    assert tree_node_count(nodes, 6, 1e-3, 31) == len(nodes)
+    kept = _best_nodes(nodes, tree_node_count(nodes, 6, math.exp(-1.0), 12))
+    assert kept == Draft([10, 20, 30, 31], None, [-1, 0, 1, 1])
 
 
 def test_a_draining_batch_drafts_only_where_its_slowest_request_gains():
@@ -569,6 +608,8 @@ def test_serve_takes_a_speculative_config_json_and_flags_override_it(tmp_path, c
              "--speculative-config: method 'medusa' is not one kiln has"),
             (["--speculative-config", '{"method": "ngram"}', "--speculative-tree-size", "40"],
              r"--speculative-config: tree_size must be in \[1, 31\], got 40"),
+            (["--speculator", "ngram", "--speculative-tree-min-prob", "2"],
+             r"tree_min_prob must be in \[0, 1\), got 2.0"),
             (["--speculator", "ngram", "--speculative-config", '{"method": "ngram"}'],
              "--speculator and --speculative-config both name a speculator")]:
         assert main(["serve", *flags]) == 2

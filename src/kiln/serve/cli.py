@@ -10,6 +10,7 @@ from kiln.cluster.cli import add_cluster_flags, cluster_config, threads_per_work
 from kiln.config import (
     DEFAULT_TREE_DRAFTS,
     HEAD_TREE_DRAFTS,
+    HEAD_TREE_MIN_PROB,
     HEAD_TREE_WIDTH,
     MAX_TREE_DRAFTS,
     CacheConfig,
@@ -74,6 +75,10 @@ def engine_flags(g: argparse._ArgumentGroup) -> None:
                    help=f"draft trees: at most this many drafts per tree (1-{MAX_TREE_DRAFTS}; "
                         f"default: {HEAD_TREE_DRAFTS} for a head, {DEFAULT_TREE_DRAFTS} "
                         "otherwise)")
+    g.add_argument("--speculative-tree-min-prob", type=float, default=None,
+                   help="a head's draft trees by probability: its nodes whose path "
+                        "probability is at least this, up to --speculative-tree-size; 0 = a "
+                        f"fixed size (default: {HEAD_TREE_MIN_PROB})")
     g.add_argument("--speculative-tree-max-batch", type=int, default=None,
                    help="draft trees only while at most this many sequences decode (default: "
                         f"{SpeculativeConfig.tree_max_batch})")
@@ -155,6 +160,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     flags = {"num_speculative_tokens": args.num_speculative_tokens,
              "adaptive": args.speculative_adaptive, "ngram_first": args.ngram_first,
              "tree_width": args.speculative_tree_width, "tree_size": args.speculative_tree_size,
+             "tree_min_prob": args.speculative_tree_min_prob,
              "tree_max_batch": args.speculative_tree_max_batch,
              "speculator_int8": args.speculator_int8}
     given = {name: value for name, value in flags.items() if value is not None}

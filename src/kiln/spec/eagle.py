@@ -232,18 +232,30 @@ def int8_gemv_available() -> bool:
     return INT8_GEMV_MAX_TOKENS > 0 and cpu_ops.load()
 
 
+# rows up to which a head's int8 copy beats a oneDNN-packed bf16 one: weights from memory
+# (`benchmarks/int8_gemv.py --tokens 1,2,3,4,6,8 --threads 2 --copies 64`, 2-core AMD EPYC
+# with AVX-512 BF16; 576x1536 / 1536x576, microseconds): 4 rows 61 / 61 against 77 / 75,
+# 6 rows 107 / 101 against 75 / 74, 8 rows 146 / 127 against 94 / 89
+ONEDNN_MAX_INT8_ROWS = 4
+
+
 class SmallBatchInt8(nn.Module):
     """One weight, two copies: int8 weight-only rows (per-row scales) through kiln's int8
     GEMV kernel for inputs of at most INT8_GEMV_MAX_TOKENS rows, the dense packed weight for
     larger ones (a catch-up over a whole prompt). A head's weights come from memory at every
     draft step (the target's forward in between evicts them from cache): half the bytes made
-    a head's work per drafting step about 30% cheaper here, with the same drafts."""
+    a head's work per drafting step about 30% cheaper here, with the same drafts. Against
+    oneDNN's bf16 linear (AVX-512 BF16) the int8 kernel's fp32 arithmetic loses from about 5
+    rows, where a wide tree's beam drafts (ONEDNN_MAX_INT8_ROWS)."""
 
     def __init__(self, dense: Linear, int8: Linear):
         super().__init__()
+        from kiln.models.layers.onednn import OneDNNLinearMethod
         from kiln.quant.kernels import INT8_GEMV_MAX_TOKENS
 
         self.dense, self.int8, self.max_rows = dense, int8, INT8_GEMV_MAX_TOKENS
+        if isinstance(dense.method, OneDNNLinearMethod):
+            self.max_rows = min(self.max_rows, ONEDNN_MAX_INT8_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.int8(x) if x.shape[0] <= self.max_rows else self.dense(x)

@@ -21,6 +21,7 @@ positions: their blocks may already be reused.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -108,6 +109,7 @@ class HeadProposer:
                              f"size {c.hidden_size} and vocabulary {c.vocab_size}; the "
                              f"target has {arch.hidden_size} and {arch.vocab_size}")
         self.target, self.block_size = runner, ctx.cache.block_size
+        self.min_prob, self.tree_size = config.tree_min_prob or None, config.tree_size
         self.embed = model.model.embed_tokens
         self.lm = packed_linear(lm_head_rows(model, self.head.draft_vocab), config.speculator_int8)
         rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
@@ -247,7 +249,7 @@ class HeadProposer:
         return out
 
     def _tree(self, h, ctx_len, tables, depth: int, width: int) -> list[Draft]:
-        return [_best_nodes(n, depth * width)
+        return [_best_nodes(n, tree_node_count(n, depth * width, self.min_prob, self.tree_size))
                 for n in self._tree_nodes(h, ctx_len, tables, depth, width)]
 
     def _tree_nodes(self, h, ctx_len, tables, depth: int, width: int) -> list[list[tuple]]:
@@ -311,6 +313,18 @@ class HeadProposer:
         valid = pos[None, :] < ctx_len[:, None]
         slots = torch.where(valid, slots, 0)
         return ChainAttention(self.kv[0][slots], self.kv[1][slots], valid, self.scale)
+
+
+def tree_node_count(nodes: list[tuple[float, int, int, int]], likeliest: int,
+                    min_prob: float | None, size: int) -> int:
+    """How many of a beam's nodes (log-likelihood, depth, token, parent) its tree keeps: the
+    `likeliest` without a floor; with one, those whose path probability reaches `min_prob`,
+    at least one and at most `size` (a node is never likelier than its parent, so the kept
+    nodes are a tree)."""
+    if min_prob is None:
+        return likeliest
+    floor = math.log(min_prob)
+    return max(1, min(size, sum(1 for lp, *_ in nodes if lp >= floor)))
 
 
 def _best_nodes(nodes: list[tuple[float, int, int, int]], size: int) -> Draft:

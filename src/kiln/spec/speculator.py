@@ -200,14 +200,19 @@ class Speculator:
         verified in one forward, whichever is right is accepted. Lookup's first continuation
         goes whole before the model's tree: on code it was right more often than the model's
         least likely nodes it displaces (k = 3 forced, 10 drafts in all: 1.90 -> 2.00
-        accepted per verify step; BENCHMARKS.md, "Lookup's continuation first")."""
+        accepted per verify step; BENCHMARKS.md, "Lookup's continuation first"). With
+        `tree_min_prob` lookup's other continuations stay out: replayed on recorded prose
+        trees they brought fewer accepted drafts per draft verified than the head's nodes
+        near the floor (BENCHMARKS.md, "Trees by probability")."""
         if lookup is None or not lookup.token_ids:
             return model
         lookup = lookup.limit(depth, self.config.tree_size)
         tree = DraftTrie(self.config.tree_size)
         tree.add_draft(lookup.main_chain())
         tree.add_draft(model)  # already at most `depth` deep
-        tree.add_draft(lookup)
+        by_probability = self.config.method == "head" and self.config.tree_min_prob
+        if not by_probability:  # a tree by probability holds only what clears its floor
+            tree.add_draft(lookup)
         return tree.draft()
 
     def _tree_step(self, batch: int) -> bool | None:
