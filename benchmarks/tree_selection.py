@@ -156,25 +156,10 @@ def lookup_draft(step: dict, width: int, size: int) -> Draft | None:
     return trie.draft()
 
 
-def kiln_rule(step: dict, width: int, size: int) -> Draft:
-    lookup = lookup_draft(step, width, size)
-    if step["head"] is None:
-        return lookup or Draft()
-    nodes = step["head"]
-    kept = beam(nodes, width)
-    position = {n: i for i, n in enumerate(kept)}
-    head = _best_nodes([(lp, d, t, position.get(p, -1)) for lp, d, t, p in
-                        (nodes[n] for n in kept)], K * width)
-    if lookup is None:
-        return head.limit(K, size)
-    trie = DraftTrie(size)
-    trie.add_draft(lookup.main_chain())
-    trie.add_draft(head)
-    trie.add_draft(lookup)
-    return trie.draft()
-
-
-def by_probability(step: dict, width: int, floor: float, size: int) -> Draft:
+def kiln_rule(step: dict, width: int, size: int, floor: float | None = None) -> Draft:
+    """kiln's tree (`HeadProposer._tree`, `Speculator._merge`) replayed: a fixed tree (the
+    3 W likeliest of the W-wide beam's nodes), or with `floor` a tree by probability (its
+    nodes of path probability >= floor, lookup's other continuations left out)."""
     lookup = lookup_draft(step, width, size)
     if step["head"] is None:
         return lookup or Draft()
@@ -188,7 +173,13 @@ def by_probability(step: dict, width: int, floor: float, size: int) -> Draft:
     trie = DraftTrie(size)
     trie.add_draft(lookup.main_chain())
     trie.add_draft(head)
+    if floor is None:
+        trie.add_draft(lookup)
     return trie.draft()
+
+
+def by_probability(step: dict, width: int, floor: float, size: int) -> Draft:
+    return kiln_rule(step, width, size, floor)
 
 
 def by_value(step: dict, width: int, size: int) -> Draft:
