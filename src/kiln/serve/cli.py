@@ -50,6 +50,19 @@ def engine_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--quantization", default=None, help="quantize weights on load")
     g.add_argument("--threads", type=int, default=None,
                    help="torch threads per worker (default: the cores split among workers)")
+    _speculative_flags(g)
+    g.add_argument("--heartbeat-interval", type=float, default=WorkerConfig.heartbeat_interval_s,
+                   help="seconds between worker heartbeats")
+    g.add_argument("--repetition-guard", default=StructuredConfig.repetition_guard,
+                   choices=["off", "stop", "retry"],
+                   help="a sequence stuck repeating: stop it (finish_reason repetition), retry "
+                        "(redraw the looping token once, then stop), or off; requests may override")
+    g.add_argument("--grammar-compile-timeout", type=float,
+                   default=StructuredConfig.compile_timeout_s,
+                   help="seconds a structured-output grammar may take to compile (else 400)")
+
+
+def _speculative_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--speculator", default=None,
                    help="speculative decoding: ngram, a speculator dir or preset (see "
                         "kiln train-speculator), or a draft checkpoint")
@@ -90,15 +103,6 @@ def engine_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--speculator-int8", action=argparse.BooleanOptionalAction, default=None,
                    help="a head's or draft model's weights int8 weight-only at decode sizes "
                         "(cheaper draft steps; output is exact either way; default: on)")
-    g.add_argument("--heartbeat-interval", type=float, default=WorkerConfig.heartbeat_interval_s,
-                   help="seconds between worker heartbeats")
-    g.add_argument("--repetition-guard", default=StructuredConfig.repetition_guard,
-                   choices=["off", "stop", "retry"],
-                   help="a sequence stuck repeating: stop it (finish_reason repetition), retry "
-                        "(redraw the looping token once, then stop), or off; requests may override")
-    g.add_argument("--grammar-compile-timeout", type=float,
-                   default=StructuredConfig.compile_timeout_s,
-                   help="seconds a structured-output grammar may take to compile (else 400)")
 
 
 def _gateway_flags(g: argparse._ArgumentGroup) -> None:
