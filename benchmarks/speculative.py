@@ -9,8 +9,8 @@ head with `ngram_first` ("+ng": an n-gram match's drafts where the text has one)
 ("-tree", "+ngt": --tree-width and --tree-size, or a shape of their own, NAME@WIDTHxSIZE, so
 tree shapes compare in one run: a fixed tree, the k * WIDTH likeliest nodes; NAME@WIDTHxSIZE:P
 the head's nodes of path probability at least P, up to SIZE: `SpeculativeConfig.tree_min_prob`,
-0.03 by default); `--head NAME=DIR` adds a head of
-one's own as NAME and NAME+ngt, to compare two heads in one run. Domains:
+0.03 by default); `--head NAME=DIR` adds a head of one's own as NAME and NAME+ngt, to compare
+two heads in one run. Domains:
 code prompts (the opening of held-out standard-library files) and prose prompts (windows of
 the held-out pages of the prose domain: the Python documentation when `python3-doc` is
 installed, else the pydoc topics), never text the speculators were trained on. Batch 1 runs three

@@ -118,6 +118,13 @@ def accepted(draft: Draft, true: list[int]) -> int:
     return depth
 
 
+def score(trees: list[Draft], steps: list[dict]) -> tuple[float, float]:
+    """(drafts accepted, drafts verified) per step, mean over the steps."""
+    n = len(steps)
+    return (round(sum(accepted(t, s["true"]) for t, s in zip(trees, steps, strict=True)) / n, 3),
+            round(sum(len(t.token_ids) for t in trees) / n, 2))
+
+
 def continuations(tokens: list[int], parents: list[int] | None) -> list[list[int]]:
     """A lookup tree's continuations (root to leaf), in the order they were added."""
     if parents is None:
@@ -176,10 +183,6 @@ def kiln_rule(step: dict, width: int, size: int, floor: float | None = None) -> 
     if floor is None:
         trie.add_draft(lookup)
     return trie.draft()
-
-
-def by_probability(step: dict, width: int, floor: float, size: int) -> Draft:
-    return kiln_rule(step, width, size, floor)
 
 
 def by_value(step: dict, width: int, size: int) -> Draft:
@@ -272,21 +275,17 @@ def main() -> int:
         shapes = []
         for width, size in SHAPES:
             row = {"width": width, "size": size}
-            for name, rule in (("kiln", kiln_rule), ("by value", by_value)):
-                row[name] = round(sum(accepted(rule(s, width, size), s["true"])
-                                      for s in steps) / len(steps), 3)
-            row["kiln drafts"] = round(sum(len(kiln_rule(s, width, size).token_ids)
-                                           for s in steps) / len(steps), 2)
+            row["kiln"], row["kiln drafts"] = score([kiln_rule(s, width, size) for s in steps],
+                                                    steps)
+            row["by value"] = score([by_value(s, width, size) for s in steps], steps)[0]
             shapes.append(row)
             print(f"  {domain} {width} x {size}: kiln {row['kiln']:.3f} "
                   f"({row['kiln drafts']:.1f} drafts), by value {row['by value']:.3f}")
         floors = []
         for width, floor, size in FLOORS:
-            trees = [by_probability(s, width, floor, size) for s in steps]
-            row = {"width": width, "min_prob": floor, "size": size,
-                   "accepted": round(sum(accepted(t, s["true"]) for t, s in
-                                         zip(trees, steps, strict=True)) / len(steps), 3),
-                   "drafts": round(sum(len(t.token_ids) for t in trees) / len(steps), 2)}
+            got, drafts = score([kiln_rule(s, width, size, floor) for s in steps], steps)
+            row = {"width": width, "min_prob": floor, "size": size, "accepted": got,
+                   "drafts": drafts}
             floors.append(row)
             print(f"  {domain} {width} wide, p >= {floor}, up to {size}: {row['accepted']:.3f} "
                   f"accepted, {row['drafts']:.1f} drafts")
