@@ -9,7 +9,8 @@ head with `ngram_first` ("+ng": an n-gram match's drafts where the text has one)
 ("-tree", "+ngt": --tree-width and --tree-size, or a shape of their own, NAME@WIDTHxSIZE, so
 tree shapes compare in one run: a fixed tree, the k * WIDTH likeliest nodes; NAME@WIDTHxSIZE:P
 the head's nodes of path probability at least P, up to SIZE: `SpeculativeConfig.tree_min_prob`,
-0.03 by default); `--head NAME=DIR` adds a head of one's own as NAME and NAME+ngt, to compare
+0.03 by default); a trailing "/full" scores every verify row with the whole LM head
+(`SpeculativeConfig.verify_shortlist` off), to time the shortlist; `--head NAME=DIR` adds a head of one's own as NAME and NAME+ngt, to compare
 two heads in one run. Domains:
 code prompts (the opening of held-out standard-library files) and prose prompts (windows of
 the held-out pages of the prose domain: the Python documentation when `python3-doc` is
@@ -72,6 +73,7 @@ CONFIGS = {"off": None, "off-again": None, "ngram": "ngram", "draft": "code-draf
 # set: `--configs off ngram ngram-tree`)
 DEFAULT_CONFIGS = [n for n in CONFIGS if not n.endswith(("tree", "+ngt"))]
 TREES = ("tree", "+ngt")
+FULL = "/full"  # a configuration with SpeculativeConfig(verify_shortlist=False)
 
 
 def extra_head(spec: str) -> str:
@@ -86,8 +88,9 @@ def extra_head(spec: str) -> str:
 
 def config_name(name: str) -> str:
     """A configuration, optionally a tree one with its own width and size: "NAME@WxS"
-    (`prose-head+ngt@8x31`), so tree shapes compare in one run."""
-    base, at, shape = name.partition("@")
+    (`prose-head+ngt@8x31`), so tree shapes compare in one run; "/full" after either, the
+    same without the verify shortlist."""
+    base, at, shape = name.removesuffix(FULL).partition("@")
     if base not in CONFIGS:
         raise argparse.ArgumentTypeError(f"unknown configuration {base!r}; one of "
                                           f"{', '.join(CONFIGS)}")
@@ -114,7 +117,7 @@ def tree_shape(name: str, args) -> tuple[int, int, float | None]:
     trees; "NAME@WxS" a fixed tree (the k * W likeliest, up to S), "NAME@WxS:P" the head's
     nodes of path probability >= P, up to S; without a shape --tree-width, --tree-size and
     --tree-min-prob (None: the engine's defaults)."""
-    base, _, shape = name.partition("@")
+    base, _, shape = name.removesuffix(FULL).partition("@")
     if not base.endswith(TREES):
         return 1, args.tree_size, None
     if shape:
@@ -211,7 +214,8 @@ def _spec_counts(llm: LLM) -> tuple[int, int, int]:
 
 
 def build(name: str, args) -> LLM | None:
-    speculator = CONFIGS[name.partition("@")[0]]
+    base = name.removesuffix(FULL).partition("@")[0]
+    speculator = CONFIGS[base]
     if speculator not in (None, "ngram"):
         try:
             speculator = str(speculator_path(speculator))
@@ -223,10 +227,11 @@ def build(name: str, args) -> LLM | None:
     return LLM(max_model_len=1024, kv_cache_memory=96 << 20, max_num_seqs=8,
                num_threads=args.threads, speculator=speculator,
                speculative_config=SpeculativeConfig(
-                   ngram_first=name.partition("@")[0].endswith(("+ng", "+ngt")),
+                   ngram_first=base.endswith(("+ng", "+ngt")),
                    tree_width=width, tree_size=size, tree_min_prob=min_prob,
                    adaptive=not args.no_adaptive,
-                   num_speculative_tokens=args.num_speculative_tokens)
+                   num_speculative_tokens=args.num_speculative_tokens,
+                   verify_shortlist=not name.endswith(FULL))
                if speculator else None)
 
 

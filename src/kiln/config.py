@@ -211,6 +211,10 @@ class SpeculativeConfig:
     # draft model)
     ngram_first: bool | None = None
     speculator_int8: bool = True  # head/draft: int8 weight-only linears, decode-sized inputs
+    # head/draft with a draft vocabulary: greedy verify steps score the whole vocabulary only
+    # on the rows the walk visits, the draft vocabulary guessing the others (lossless:
+    # kiln.spec.shortlist; BENCHMARKS.md, "The LM head where the walk goes")
+    verify_shortlist: bool = True
     # draft trees: up to this many alternative continuations per request and step, verified
     # in one forward (n-gram: several earlier occurrences' continuations, merged by common
     # prefix; head: a beam search this wide, its k * width likeliest nodes; with

@@ -315,6 +315,8 @@ def test_draft_model_with_a_draft_vocabulary(reference, llama_path, tmp_path):
     assert drafted and set(drafted) <= allowed
     stats = llm.engine.speculator.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    # the target's LM head rows for the draft vocabulary guess its choices in verification
+    assert llm.engine.runner.shortlist.ids.tolist() == sorted(allowed)
 
     meta.write_text(json.dumps({"kind": "draft", "draft_vocab": [0, 10 ** 6]}))
     with pytest.raises(ValueError, match="draft_vocab"):
@@ -806,6 +808,27 @@ def test_head_trees_by_probability_are_lossless(reference, llama_path, head_path
             assert len(draft.token_ids) == max(1, min(20, above))
             sizes.append(len(draft.token_ids))
     assert len(set(sizes)) > 2 and max(sizes) > 12  # more than the fixed 12 where it is sure
+
+
+def test_the_verify_shortlist_scores_fewer_rows_and_changes_no_token(reference, llama_path,
+                                                                     head_path):
+    """verify_shortlist (the default): greedy verify steps score the whole vocabulary only on
+    the rows the walk visits, the head's draft vocabulary guessing the others' choices. The
+    output is the same as without it, with far fewer rows through the LM head."""
+    _, ps, params, expected = reference
+    scored = {}
+    for on in (True, False):
+        llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
+                  speculative_config=SpeculativeConfig(
+                      adaptive=False, tree_width=4, tree_size=12, tree_min_prob=0.0,
+                      tree_max_batch=8, verify_shortlist=on))
+        runner, rows = llm.engine.runner, []
+        assert (runner.shortlist is not None) == on
+        real = runner.model.compute_logits
+        runner.model.compute_logits = lambda h, real=real, rows=rows: rows.append(len(h)) or real(h)
+        assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+        scored[on] = sum(rows)
+    assert scored[True] < scored[False] / 2
 
 
 def test_a_tree_by_probability_leaves_lookups_other_continuations_out(llama_path, head_path):

@@ -20,6 +20,7 @@ from kiln.models.loader import load_model
 from kiln.runner.attention import get_attention_backend
 from kiln.runner.batch import BatchInputs, LogitsRows, build_batch
 from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs, take_rows
+from kiln.spec.shortlist import Shortlist, shortlist_applies, verify_shortlisted
 from kiln.spec.verify import VerifyGroup, verify
 from kiln.structured.bitmask import GrammarRows
 
@@ -57,6 +58,18 @@ def num_kv_blocks(spec: KVCacheSpec, cache: CacheConfig, max_model_len: int,
 
 
 @dataclass
+class SamplePlan:
+    """A step's sampling rows: one `SamplingRow` per row, its row of the logits
+    (`index`), and per request that samples its `VerifyGroup` and scheduled position."""
+
+    rows: list[SamplingRow]
+    index: list[int]
+    groups: list[VerifyGroup]
+    owners: list[int]
+    grammar_rows: GrammarRows
+
+
+@dataclass
 class StepHidden:
     """The last step's batch and final hidden states [T, H], kept for a speculator."""
 
@@ -89,6 +102,9 @@ class ModelRunner:
         self.sampler = Sampler(arch.vocab_size, eos_token_ids, model_config.seed)
         self._generators: dict[str, torch.Generator] = {}
         self.keep_hidden = False  # set by kiln.spec proposers that read hidden states
+        # set by kiln.spec proposers with a draft vocabulary: greedy verify steps score the
+        # whole vocabulary only on the rows the walk visits (kiln.spec.shortlist)
+        self.shortlist: Shortlist | None = None
         self.last_step: StepHidden | None = None
 
     def _attention_backend(self, config: ModelConfig) -> str:
@@ -132,8 +148,32 @@ class ModelRunner:
         batch, hidden = self.forward(sched)
         if self.keep_hidden:  # a speculator (kiln.spec) reads this step's hidden states
             self.last_step = StepHidden(batch, hidden)
+        if self.shortlist is not None:
+            out = self._outputs_shortlisted(sched, batch, hidden)
+            if out is not None:
+                return out
         logits = self.model.compute_logits(hidden[batch.logits_index]).float()
         return self._outputs(sched, batch, logits)
+
+    def _outputs_shortlisted(self, sched: SchedulerOutput, batch: BatchInputs,
+                             hidden: torch.Tensor) -> RunnerOutput | None:
+        """A greedy verify step's outputs with the LM head on the rows the walk visits
+        only (kiln.spec.shortlist); None where the step does not qualify."""
+        plan = self._plan(sched.scheduled, batch.rows)
+        prompt_lp_or_grammar = any(item.prompt_logprobs or item.grammar is not None
+                                   for item in sched.scheduled)
+        if not shortlist_applies(plan.rows, plan.groups, prompt_lp_or_grammar):
+            return None
+        tokens, paths = verify_shortlisted(
+            self.shortlist, hidden[batch.logits_index[plan.index]], plan.rows, plan.groups,
+            self.sampler, self.model.compute_logits)
+        result: list[list[int]] = [[] for _ in sched.scheduled]
+        owned: list[list[int] | None] = [None] * len(sched.scheduled)
+        for owner, toks, path in zip(plan.owners, tokens, paths, strict=True):
+            result[owner], owned[owner] = toks, path
+        if any(path for path in owned):
+            self._compact(sched, batch, owned)
+        return RunnerOutput(result, None, None)
 
     def _outputs(self, sched: SchedulerOutput, batch: BatchInputs,
                  logits: torch.Tensor) -> RunnerOutput:
@@ -179,32 +219,37 @@ class ModelRunner:
             rows[torch.tensor(row_dst)] = torch.tensor(row_src)
             step.rows = rows
 
-    def _sample(self, scheduled: list[ScheduledRequest], rows: list[LogitsRows],
-                logits: torch.Tensor):
-        """Sample each request's row; a request with drafts has 1 + k rows, and
-        kiln.spec.verify decides which drafts stand and adds one token after them."""
-        sample_rows, index, groups, owners = [], [], [], []
-        grammar_rows = GrammarRows(self.vocab_size)  # kiln.structured: the step's bitmask
+    def _plan(self, scheduled: list[ScheduledRequest], rows: list[LogitsRows]) -> SamplePlan:
+        """The step's sampling rows: a request with drafts has 1 + k of them."""
+        plan = SamplePlan([], [], [], [], GrammarRows(self.vocab_size))
         for i, (item, r) in enumerate(zip(scheduled, rows, strict=True)):
             if not r.num_sample:
                 continue
             drafts = item.token_ids[len(item.token_ids) - item.num_draft_tokens:]
             parents = item.draft_parents if drafts else None
-            groups.append(VerifyGroup(len(sample_rows), drafts, item.draft_probs, parents))
-            grammar_rows.add(item.grammar, len(sample_rows), drafts)  # trees have no grammar
-            owners.append(i)
+            plan.groups.append(VerifyGroup(len(plan.rows), drafts, item.draft_probs, parents))
+            # kiln.structured: the step's bitmask (trees have no grammar)
+            plan.grammar_rows.add(item.grammar, len(plan.rows), drafts)
+            plan.owners.append(i)
             for j in range(r.num_sample):
-                sample_rows.append(self._row(item, _draft_history(drafts, parents, j)))
-                index.append(r.sample_start + j)
+                plan.rows.append(self._row(item, _draft_history(drafts, parents, j)))
+                plan.index.append(r.sample_start + j)
+        return plan
+
+    def _sample(self, scheduled: list[ScheduledRequest], rows: list[LogitsRows],
+                logits: torch.Tensor):
+        """Sample each request's row; a request with drafts has 1 + k rows, and
+        kiln.spec.verify decides which drafts stand and adds one token after them."""
+        plan = self._plan(scheduled, rows)
         result = [[] for _ in scheduled]
         paths: list[list[int] | None] = [None] * len(scheduled)
         want_logprobs = any(item.params.logprobs is not None for item in scheduled)
         lp_result = [[] for _ in scheduled] if want_logprobs else None
-        if not sample_rows:
+        if not plan.rows:
             return result, lp_result, paths
-        out = verify(self.sampler, take_rows(logits, index), sample_rows, groups,
-                     bitmask=grammar_rows.fill(sample_rows))
-        for g, owner in enumerate(owners):
+        out = verify(self.sampler, take_rows(logits, plan.index), plan.rows, plan.groups,
+                     bitmask=plan.grammar_rows.fill(plan.rows))
+        for g, owner in enumerate(plan.owners):
             result[owner] = out.token_ids[g]
             paths[owner] = out.paths[g]
             if lp_result is not None and scheduled[owner].params.logprobs is not None:

@@ -68,6 +68,14 @@ class DraftModelProposer:
         self.shadows: dict[str, _Shadow] = {}
         self._finished: list[str] = []
         self.vocab, self.lm = self._draft_vocab(Path(config.model))
+        if self.vocab is not None and config.verify_shortlist:
+            from kiln.spec.eagle import lm_head_rows, packed_linear
+            from kiln.spec.shortlist import Shortlist
+
+            # the target's LM head rows for the draft vocabulary guess its choices in
+            # verification (kiln.spec.shortlist)
+            ctx.target.shortlist = Shortlist(
+                self.vocab, packed_linear(lm_head_rows(ctx.target.model, self.vocab)))
 
     def _draft_vocab(self, path: Path):
         """(token ids, their LM head rows packed) when the checkpoint carries a draft

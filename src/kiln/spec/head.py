@@ -38,6 +38,7 @@ from kiln.spec.eagle import (
     packed_linear,
 )
 from kiln.spec.proposer import Draft, DraftRequest, ProposerContext, register_proposer
+from kiln.spec.shortlist import Shortlist
 
 
 def verified_spans(sched: SchedulerOutput) -> list[tuple[int, ScheduledRequest, int]]:
@@ -112,6 +113,8 @@ class HeadProposer:
         self.min_prob, self.tree_size = config.tree_min_prob or None, config.tree_size
         self.embed = model.model.embed_tokens
         self.lm = packed_linear(lm_head_rows(model, self.head.draft_vocab), config.speculator_int8)
+        if config.verify_shortlist:  # the same rows guess the target's choices in verification
+            runner.shortlist = Shortlist(self.head.draft_vocab, self.lm)
         rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                  c.rope_scaling, runner.dtype)
         self.cos, self.sin = rotary.cos, rotary.sin
