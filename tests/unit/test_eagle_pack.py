@@ -105,3 +105,36 @@ def test_int8_packed_head_drafts_like_the_dense_one():
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
     agree = (got @ lm.T).argmax(-1) == (want @ lm.T).argmax(-1)
     assert agree.float().mean() >= 5 / 6
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_chain_attention_is_each_rows_own_attention(width):
+    """ChainAttention over a round's steps, beams reordered between them: each row attends
+    its sequence's valid context keys and the keys of its own path's earlier steps, with GQA
+    (query head i reads kv head i // 2), as a per-row softmax over exactly those keys."""
+    from kiln.spec.eagle import ChainAttention
+
+    torch.manual_seed(0)
+    b, hq, hkv, d, kctx = 2, 4, 2, 8, 5
+    ctx_k, ctx_v = torch.randn(b, kctx, hkv, d), torch.randn(b, kctx, hkv, d)
+    valid = torch.arange(kctx)[None, :] < torch.tensor([[3], [5]])
+    chain = ChainAttention(ctx_k, ctx_v, valid, 0.3, width)
+    paths = [[] for _ in range(b * width)]  # each row's (k, v) of its earlier steps
+    for step in range(3):
+        if step:  # a beam search's reorder: rows of the same sequence, shuffled
+            rows = torch.cat([s * width + torch.randperm(width) for s in range(b)])
+            if width > 1:
+                rows[0] = rows[1]  # two rows continue the same beam
+            chain.reorder(rows)
+            paths = [list(paths[r]) for r in rows.tolist()]
+        q, k, v = torch.randn(b * width, hq, d), torch.randn(b * width, hkv, d), torch.randn(
+            b * width, hkv, d)
+        out = chain(q, k, v).view(b * width, hq, d)
+        for row in range(b * width):
+            paths[row].append((k[row], v[row]))
+            s = row // width
+            keys = torch.cat([ctx_k[s][valid[s]], torch.stack([pk for pk, _ in paths[row]])])
+            values = torch.cat([ctx_v[s][valid[s]], torch.stack([pv for _, pv in paths[row]])])
+            for head in range(hq):
+                p = (keys[:, head // 2] @ q[row, head] * 0.3).softmax(0)
+                torch.testing.assert_close(out[row, head], p @ values[:, head // 2])
