@@ -20,7 +20,12 @@ from kiln.models.loader import load_model
 from kiln.runner.attention import get_attention_backend
 from kiln.runner.batch import BatchInputs, LogitsRows, build_batch
 from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs, take_rows
-from kiln.spec.shortlist import Shortlist, shortlist_applies, verify_shortlisted
+from kiln.spec.shortlist import (
+    SHORTLIST_MIN_ROWS,
+    Shortlist,
+    shortlist_applies,
+    verify_shortlisted,
+)
 from kiln.spec.verify import VerifyGroup, verify
 from kiln.structured.bitmask import GrammarRows
 
@@ -148,7 +153,8 @@ class ModelRunner:
         batch, hidden = self.forward(sched)
         if self.keep_hidden:  # a speculator (kiln.spec) reads this step's hidden states
             self.last_step = StepHidden(batch, hidden)
-        if self.shortlist is not None:
+        if (self.shortlist is not None and len(batch.logits_index) >= SHORTLIST_MIN_ROWS
+                and any(item.num_draft_tokens for item in sched.scheduled)):
             out = self._outputs_shortlisted(sched, batch, hidden)
             if out is not None:
                 return out
