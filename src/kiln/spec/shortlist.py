@@ -32,9 +32,9 @@ from kiln.spec.verify import VerifyGroup, accept_greedy, accept_greedy_tree
 
 # Sampling rows in a step from which the shortlist pays. The LM head's cost hardly grows up to
 # ~4 rows (its weights come from memory), and the shortlist's round costs about that of 3 to
-# 4 rows of the LM head: the default model at batch 1 on two cores, after the step's
-# forward, 2.5 ms with or without it at 4-5 rows, 3.4 at 8, 3.6 against 3.2 at 9, 4.3 against
-# 3.5 at 13, 5.6 against 3.3 at 21 (BENCHMARKS.md, "The LM head where the walk goes").
+# 4 rows of the LM head: the default model at batch 1 on two cores, after the step's forward,
+# 3.2 ms without it and 2.9 with it at 9 rows, 4.2 and 3.4 at 13, 5.8 and 3.7 at 21, and no
+# gain at 8 or fewer (BENCHMARKS.md, "The LM head where the walk goes").
 SHORTLIST_MIN_ROWS = 9
 
 
