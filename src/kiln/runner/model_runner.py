@@ -20,12 +20,7 @@ from kiln.models.loader import load_model
 from kiln.runner.attention import get_attention_backend
 from kiln.runner.batch import BatchInputs, LogitsRows, build_batch
 from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs, take_rows
-from kiln.spec.shortlist import (
-    SHORTLIST_MIN_ROWS,
-    Shortlist,
-    shortlist_applies,
-    verify_shortlisted,
-)
+from kiln.spec.shortlist import Shortlist, shortlist_applies, verify_shortlisted
 from kiln.spec.verify import VerifyGroup, verify
 from kiln.structured.bitmask import GrammarRows
 
@@ -153,23 +148,24 @@ class ModelRunner:
         batch, hidden = self.forward(sched)
         if self.keep_hidden:  # a speculator (kiln.spec) reads this step's hidden states
             self.last_step = StepHidden(batch, hidden)
-        if (self.shortlist is not None and len(batch.logits_index) >= SHORTLIST_MIN_ROWS
-                and any(item.num_draft_tokens for item in sched.scheduled)):
-            out = self._outputs_shortlisted(sched, batch, hidden)
-            if out is not None:
-                return out
-        logits = self.model.compute_logits(hidden[batch.logits_index]).float()
-        return self._outputs(sched, batch, logits)
-
-    def _outputs_shortlisted(self, sched: SchedulerOutput, batch: BatchInputs,
-                             hidden: torch.Tensor) -> RunnerOutput | None:
-        """A greedy verify step's outputs with the LM head on the rows the walk visits
-        only (kiln.spec.shortlist); None where the step does not qualify."""
         plan = self._plan(sched.scheduled, batch.rows)
+        if self._shortlisted(sched, plan):
+            return self._outputs_shortlisted(sched, batch, hidden, plan)
+        logits = self.model.compute_logits(hidden[batch.logits_index]).float()
+        return self._outputs(sched, batch, logits, plan)
+
+    def _shortlisted(self, sched: SchedulerOutput, plan: SamplePlan) -> bool:
+        """Whether the step is a greedy verify step the shortlist serves."""
+        if self.shortlist is None:
+            return False
         prompt_lp_or_grammar = any(item.prompt_logprobs or item.grammar is not None
                                    for item in sched.scheduled)
-        if not shortlist_applies(plan.rows, plan.groups, prompt_lp_or_grammar):
-            return None
+        return shortlist_applies(plan.rows, plan.groups, prompt_lp_or_grammar)
+
+    def _outputs_shortlisted(self, sched: SchedulerOutput, batch: BatchInputs,
+                             hidden: torch.Tensor, plan: SamplePlan) -> RunnerOutput:
+        """A greedy verify step's outputs with the LM head on the rows the walk visits
+        only (kiln.spec.shortlist)."""
         tokens, paths = verify_shortlisted(
             self.shortlist, hidden[batch.logits_index[plan.index]], plan.rows, plan.groups,
             self.sampler, self.model.compute_logits)
@@ -181,9 +177,9 @@ class ModelRunner:
             self._compact(sched, batch, owned)
         return RunnerOutput(result, None, None)
 
-    def _outputs(self, sched: SchedulerOutput, batch: BatchInputs,
-                 logits: torch.Tensor) -> RunnerOutput:
-        sampled, logprobs, paths = self._sample(sched.scheduled, batch.rows, logits)
+    def _outputs(self, sched: SchedulerOutput, batch: BatchInputs, logits: torch.Tensor,
+                 plan: SamplePlan) -> RunnerOutput:
+        sampled, logprobs, paths = self._sample(sched.scheduled, plan, logits)
         if any(path for path in paths):
             self._compact(sched, batch, paths)
         prompt_lp = None
@@ -242,11 +238,10 @@ class ModelRunner:
                 plan.index.append(r.sample_start + j)
         return plan
 
-    def _sample(self, scheduled: list[ScheduledRequest], rows: list[LogitsRows],
+    def _sample(self, scheduled: list[ScheduledRequest], plan: SamplePlan,
                 logits: torch.Tensor):
         """Sample each request's row; a request with drafts has 1 + k rows, and
         kiln.spec.verify decides which drafts stand and adds one token after them."""
-        plan = self._plan(scheduled, rows)
         result = [[] for _ in scheduled]
         paths: list[list[int] | None] = [None] * len(scheduled)
         want_logprobs = any(item.params.logprobs is not None for item in scheduled)
