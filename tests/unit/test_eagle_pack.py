@@ -118,7 +118,7 @@ def test_chain_attention_is_each_rows_own_attention(width):
     b, hq, hkv, d, kctx = 2, 4, 2, 8, 5
     ctx_k, ctx_v = torch.randn(b, kctx, hkv, d), torch.randn(b, kctx, hkv, d)
     valid = torch.arange(kctx)[None, :] < torch.tensor([[3], [5]])
-    chain = ChainAttention(ctx_k, ctx_v, valid, 0.3, width)
+    chain = ChainAttention(ctx_k, ctx_v, valid, 0.3)
     paths = [[] for _ in range(b * width)]  # each row's (k, v) of its earlier steps
     for step in range(3):
         if step:  # a beam search's reorder: rows of the same sequence, shuffled

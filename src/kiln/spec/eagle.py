@@ -155,21 +155,21 @@ class EagleHead(nn.Module):
 class ChainAttention:
     """Draft steps of one round: each row's query attends its sequence's context keys (the
     paged cache of verified positions, gathered once per sequence) plus the keys of this
-    round's earlier steps on its own path. A sequence has `width` consecutive rows (a beam
-    search's beams; 1 for a chain): q [B * W, Hq, D], k/v [B * W, Hkv, D]. The W rows of a
-    sequence share its context, so its scores are one product of all their queries with its
-    keys (a beam of 8 attending a 150-token context took 0.66 ms per layer through SDPA with
-    the context copied per row); scores and sums in fp32."""
+    round's earlier steps on its own path. A sequence has W consecutive rows (a beam search's
+    beams; 1 for a chain; W = rows / sequences): q [B * W, Hq, D], k/v [B * W, Hkv, D]. The W
+    rows of a sequence share its context, so its scores are one product of all their queries
+    with its keys (a beam of 8 attending a 150-token context took 0.66 ms per layer through
+    SDPA with the context copied per row); scores and sums in fp32."""
 
     def __init__(self, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_valid: torch.Tensor,
-                 scale: float, width: int = 1):
+                 scale: float):
         self.ctx_k = ctx_k.transpose(1, 2).float()  # [B, Hkv, Kctx, D]
         self.ctx_v = ctx_v.transpose(1, 2).float()
         bias = torch.zeros(ctx_valid.shape).masked_fill_(~ctx_valid, float("-inf"))
         self.bias = bias[:, None, None, :]  # [B, 1, 1, Kctx]: 0 or -inf
         self.keys: list[torch.Tensor] = []  # this round's steps: [B * W, Hkv, D] each
         self.values: list[torch.Tensor] = []
-        self.scale, self.width = scale, width
+        self.scale = scale
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Row i continues row rows[i], a row of the same sequence (a beam search keeps its
@@ -181,7 +181,8 @@ class ChainAttention:
         self.keys.append(k.float())
         self.values.append(v.float())
         n, hq, d = q.shape
-        b, hkv, w = self.ctx_k.shape[0], self.ctx_k.shape[1], self.width
+        b, hkv = self.ctx_k.shape[0], self.ctx_k.shape[1]
+        w = n // b  # rows per sequence
         g = hq // hkv  # query heads per kv head (query head i reads kv head i // g)
 
         def by_sequence(x):  # [B * W, Hkv, G, X] -> [B, Hkv, W * G, X]

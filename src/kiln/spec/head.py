@@ -269,7 +269,7 @@ class HeadProposer:
                  for ls, ts in zip(logp.tolist(), token.tolist(), strict=True)]
         beams = [list(range(width)) for _ in range(b)]
         if depth > 1:
-            chain = self._chain(ctx_len, tables, width)  # each sequence's context, once
+            chain = self._chain(ctx_len, tables)  # each sequence's context, once
             h, ctx_len = h.repeat_interleave(width, 0), ctx_len.repeat_interleave(width)
             score, fed = logp, token.reshape(-1)
             for d in range(2, depth + 1):
@@ -307,17 +307,15 @@ class HeadProposer:
         logp, index = self._logits(h).float().log_softmax(dim=-1).topk(width, dim=-1)
         return logp, self.head.draft_vocab[index]
 
-    def _chain(self, ctx_len: torch.Tensor, tables: torch.Tensor,
-               width: int = 1) -> ChainAttention:
-        """Gather each sequence's head KV of positions < ctx_len once per round, for
-        `width` rows per sequence."""
+    def _chain(self, ctx_len: torch.Tensor, tables: torch.Tensor) -> ChainAttention:
+        """Gather each sequence's head KV of positions < ctx_len once per round (for all
+        its rows: a beam's share it)."""
         bs, k_max = self.block_size, int(ctx_len.max())
         pos = torch.arange(k_max)
         slots = tables[:, (pos // bs).clamp(max=tables.shape[1] - 1)] * bs + pos % bs
         valid = pos[None, :] < ctx_len[:, None]
         slots = torch.where(valid, slots, 0)
-        return ChainAttention(self.kv[0][slots], self.kv[1][slots], valid, self.scale,
-                              width)
+        return ChainAttention(self.kv[0][slots], self.kv[1][slots], valid, self.scale)
 
 
 def tree_node_count(nodes: list[tuple[float, int, int, int]], likeliest: int,

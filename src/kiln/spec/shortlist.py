@@ -25,7 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from kiln.runner.sampler import Sampler, SamplingRow
 from kiln.spec.verify import VerifyGroup, accept_greedy, accept_greedy_tree
@@ -43,7 +42,7 @@ class Shortlist:
     """Token ids [S] and the target's LM head rows for them (hidden [R, H] -> [R, S])."""
 
     ids: torch.Tensor
-    lm: nn.Module
+    lm: Callable[[torch.Tensor], torch.Tensor]  # a packed linear (kiln.spec.eagle)
 
     def guess(self, hidden: torch.Tensor) -> list[int]:
         """Each row's likeliest token among the shortlist's."""
@@ -51,11 +50,11 @@ class Shortlist:
 
 
 def shortlist_applies(rows: list[SamplingRow], groups: list[VerifyGroup],
-                      wants_more: bool) -> bool:
+                      prompt_logprobs_or_grammar: bool) -> bool:
     """Whether a step's sampling can take `verify_shortlisted`: enough rows, every one greedy,
-    drafts in the step, no grammar, and no logprobs (`wants_more`: prompt logprobs or a
-    grammar somewhere in the step)."""
-    return (len(rows) >= SHORTLIST_MIN_ROWS and not wants_more
+    drafts in the step, no logprobs, and neither prompt logprobs nor a grammar anywhere in the
+    step."""
+    return (len(rows) >= SHORTLIST_MIN_ROWS and not prompt_logprobs_or_grammar
             and any(g.drafts for g in groups)
             and all(r.params.greedy and r.params.logprobs is None for r in rows))
 
