@@ -228,11 +228,13 @@ def test_tree_masks_in_both_backends(dtype, hq, hkv):
 
 
 @needs_bf16_dot
-def test_a_tree_split_over_threads_is_the_same_to_the_bit():
+@pytest.mark.parametrize("n", [5, 13])
+def test_a_tree_split_over_threads_is_the_same_to_the_bit(n):
     """At batch 1 with 3 kv heads on 2 threads the bf16 kernel splits a tree's query tokens
     between jobs: each token's arithmetic is its own, so 1 and 2 threads give the same bits,
-    and both follow the tree's bits."""
-    n = 13
+    and both follow the tree's bits. With 5 tokens one thread's job has 15 rows per kv head,
+    which read V converted to fp32 once, while two threads' jobs have 6 (V converted per
+    block of rows) and 9: the same sums either way."""
     layout, positions, cache, q, k, v, bs = random_batch(torch.bfloat16, [n], [150],
                                                          hq=9, hkv=3)
     gen = torch.Generator().manual_seed(5)

@@ -484,6 +484,82 @@ void attend_one(const T* qp, const T* kc, const T* vc, T* op, const int64_t* tab
 }
 
 #if defined(__AVX512BF16__)
+// softmax over n floats in place, 16 lanes at a time: max, e^(x - max), sum, scale
+inline void softmax_row16(float* s, int64_t n) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t full = n / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - full)) - 1);
+  __m512 m = ninf;
+  for (int64_t j = 0; j < full; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+  if (tail) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(ninf, tail, s + full));
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < full; j += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx));
+    _mm512_storeu_ps(s + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (tail) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_mask_loadu_ps(ninf, tail, s + full), mx));
+    _mm512_mask_storeu_ps(s + full, tail, e);
+    sum = _mm512_mask_add_ps(sum, tail, sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t j = 0; j < full; j += 16)
+    _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
+  if (tail)
+    _mm512_mask_storeu_ps(s + full, tail,
+                          _mm512_mul_ps(_mm512_mask_loadu_ps(ninf, tail, s + full), inv));
+}
+
+// V rows of kv head h for keys [0, nk) as fp32 [nk, D]
+template <int D>
+inline void values_f32(const at::BFloat16* vc, const int64_t* table, float* vf, int64_t nk,
+                       int64_t h, int64_t hkv, int64_t block_size) {
+  for (int64_t j = 0; j < nk; ++j) {
+    const int64_t slot = table[j / block_size] * block_size + j % block_size;
+    const at::BFloat16* row = vc + (slot * hkv + h) * D;
+    for (int64_t x = 0; x < D; x += 16) _mm512_storeu_ps(vf + j * D + x, load16(row + x));
+  }
+}
+
+// weighted_values_regs over fp32 V rows [nk, 16 CHUNKS] (values_f32)
+template <int ROWS, int CHUNKS>
+inline void weighted_values_f32_regs(const float* p, const float* vf, float* acc, int64_t nk) {
+  constexpr int64_t d = CHUNKS * 16;
+  __m512 a[ROWS][CHUNKS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CHUNKS; ++c) a[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < nk; ++j) {
+    __m512 v[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) v[c] = _mm512_loadu_ps(vf + j * d + c * 16);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r * nk + j]);
+      for (int c = 0; c < CHUNKS; ++c) a[r][c] = _mm512_fmadd_ps(w, v[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(acc + r * d + c * 16, a[r][c]);
+}
+
+// From this many rows per kv head a job converts the head's V rows to fp32 once and reads
+// them from there (weighted_values_rows converts every V row again for each block of 4 rows:
+// 16 times for a verify step's 63 rows). A row's arithmetic is the same either way: the same
+// fp32 values, summed over the keys in order. 30 layers of a 21-token tree query over 150
+// keys, 2 threads: 3.0 -> 2.0 ms (benchmarks/tree_attention.py).
+constexpr int64_t VALUES_F32_MIN_ROWS = 8;
+
+template <int CHUNKS>
+void weighted_values_f32(const float* p, const float* vf, float* acc, int64_t rows,
+                         int64_t nk) {
+  constexpr int64_t d = CHUNKS * 16;
+  constexpr int R = CHUNKS == 4 ? 6 : 3;  // 24 accumulators in registers
+  int64_t r0 = 0;
+  for (; r0 + R <= rows; r0 += R)
+    weighted_values_f32_regs<R, CHUNKS>(p + r0 * nk, vf, acc + r0 * d, nk);
+  for (; r0 < rows; ++r0) weighted_values_f32_regs<1, CHUNKS>(p + r0 * nk, vf, acc + r0 * d, nk);
+}
+
 // attend_one for bf16 caches and head dims 64/128, over kv heads [h0, h1) and query tokens
 // [i0, i1) of one sequence at once: each block's cache rows (every head of a slot is one
 // contiguous row) are read in one sweep and the next block's keys and this block's values are
@@ -496,7 +572,7 @@ void attend_heads_bf16(const at::BFloat16* qp, const at::BFloat16* kc,
                        int64_t hkv, int64_t group, int64_t q_row, int64_t q_head,
                        int64_t block_size, float scale, const int64_t* tree,
                        std::vector<uint16_t>& qb, std::vector<float>& scores,
-                       std::vector<float>& acc) {
+                       std::vector<float>& acc, std::vector<float>& vf) {
   // token i sees keys up to ctx + i: the job's last token bounds the keys it reads
   const int64_t nq = i1 - i0, nk = ctx + i1, rows = nq * group, heads = h1 - h0;
   const int64_t stride = hkv * D;
@@ -523,19 +599,28 @@ void attend_heads_bf16(const at::BFloat16* qp, const at::BFloat16* kc,
   for (int64_t h = 0; h < heads; ++h) {
     float* sh = scores.data() + h * rows * nk;
     mask_query_block(sh, tree, t0, nq, ctx, nk, group, i0);
-    for (int64_t r = 0; r < rows; ++r) softmax_row(sh + r * nk, nk);
+    for (int64_t r = 0; r < rows; ++r) softmax_row16(sh + r * nk, nk);
   }
   acc.resize(heads * rows * D);
-  for (int64_t h = h0; h < h1; ++h)
-    weighted_values_rows<D / 16>(scores.data() + (h - h0) * rows * nk, vc, table,
-                                 acc.data() + (h - h0) * rows * D, rows, nk, h, hkv,
-                                 block_size);
+  for (int64_t h = h0; h < h1; ++h) {
+    const float* p = scores.data() + (h - h0) * rows * nk;
+    float* a = acc.data() + (h - h0) * rows * D;
+    if (rows >= VALUES_F32_MIN_ROWS) {
+      vf.resize(nk * D);
+      values_f32<D>(vc, table, vf.data(), nk, h, hkv, block_size);
+      weighted_values_f32<D / 16>(p, vf.data(), a, rows, nk);
+    } else {
+      weighted_values_rows<D / 16>(p, vc, table, a, rows, nk, h, hkv, block_size);
+    }
+  }
   for (int64_t h = h0; h < h1; ++h)
     for (int64_t i = 0; i < nq; ++i)
       for (int64_t g = 0; g < group; ++g) {
         at::BFloat16* dst = op + (t0 + i) * (hkv * group * D) + (h * group + g) * D;
         const float* a = acc.data() + ((h - h0) * rows + i * group + g) * D;
-        for (int64_t x = 0; x < D; ++x) dst[x] = static_cast<at::BFloat16>(a[x]);
+        for (int64_t x = 0; x < D; x += 16)  // round to nearest even, as static_cast
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + x),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + x)));
       }
 }
 #endif
@@ -580,7 +665,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
     const auto f = d == 64 ? &attend_heads_bf16<64> : &attend_heads_bf16<128>;
     at::parallel_for(0, num_seqs * jobs_per_seq * slices, 1, [&](int64_t begin, int64_t end) {
       std::vector<uint16_t> qb;
-      std::vector<float> scores, acc;
+      std::vector<float> scores, acc, vf;
       for (int64_t job = begin; job < end; ++job) {
         const int64_t slice = job % slices, head_job = job / slices;
         const int64_t s = head_job / jobs_per_seq, h0 = head_job % jobs_per_seq * per_job;
@@ -590,7 +675,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
         f(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
           v_cache.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), btp + s * bt_width,
           qsp[s], i0, i1, cxp[s], h0, h0 + per_job, hkv, group, q.stride(0), q.stride(1),
-          block_size, static_cast<float>(scale), tree, qb, scores, acc);
+          block_size, static_cast<float>(scale), tree, qb, scores, acc, vf);
       }
     });
     return;
