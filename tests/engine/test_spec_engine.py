@@ -872,14 +872,17 @@ def test_head_tree_is_its_beam_search(reference, llama_path, head_path):
     """The head's tree nodes are the beam search they claim to be: each node's score is its
     path's log-likelihood found by running the head along that path alone (its own chain
     attention, one token at a time), and the nodes are the children of the `width` likeliest
-    paths at each depth (the rows batched over the beams attend each one's own ancestors)."""
+    paths at each depth (the rows batched over the beams attend each one's own ancestors)
+    whose path probability reaches the floor. Expanding only those keeps the tree the whole
+    beam search would give."""
     _, ps, params, _ = reference
     llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
               speculative_config=SpeculativeConfig(adaptive=False, tree_width=3))
     proposer = llm.engine.speculator.proposer
+    floor = math.log(proposer.min_prob)
     real, checked = proposer._tree_nodes, []
 
-    def path_scores(h, ctx_len, tables, depth, width) -> dict[tuple, float]:
+    def path_scores(h, ctx_len, tables, depth, width, prune) -> dict[tuple, float]:
         def top_after(path):  # the head along `path` alone, from the root's h
             chain, x = proposer._chain(ctx_len[:1], tables[:1]), h[:1]
             for j, t in enumerate(path):
@@ -894,19 +897,26 @@ def test_head_tree_is_its_beam_search(reference, llama_path, head_path):
                         for lp, t in top_after(path)]
             scores.update(expanded)
             frontier = sorted(expanded, key=lambda c: -c[1])[:width]
+            frontier = [c for c in frontier if c[1] >= floor or not prune]
         return scores
+
+    def kept(scores: dict[tuple, float]) -> set[tuple]:  # the tree's rule on path scores
+        count = max(1, min(proposer.tree_size, sum(1 for s in scores.values() if s >= floor)))
+        return set(sorted(scores, key=lambda p: (-scores[p], len(p)))[:count])
 
     def tree_nodes(h, ctx_len, tables, depth, width):
         out = real(h, ctx_len, tables, depth, width)
-        scores = path_scores(h, ctx_len, tables, depth, width)
+        scores = path_scores(h, ctx_len, tables, depth, width, prune=True)
         paths = []
         for score, _, token, parent in out[0]:
             paths.append((paths[parent] if parent >= 0 else ()) + (token,))
             assert score == pytest.approx(scores[paths[-1]], abs=1e-4)
         assert set(paths) == set(scores)  # the same nodes expanded
-        checked.append(depth)
+        full = path_scores(h, ctx_len, tables, depth, width, prune=False)
+        checked.append((depth, len(full) > len(scores)))
+        assert kept(scores) == kept(full)
         return out
 
     proposer._tree_nodes = tree_nodes
     llm.generate(ps[:1], params[:1], use_tqdm=False)
-    assert 3 in checked and len(checked) > 3
+    assert (3, True) in checked and len(checked) > 3  # some beams were left unexpanded
