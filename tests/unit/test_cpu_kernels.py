@@ -290,3 +290,20 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load():
     done = subprocess.run([sys.executable, "-c", "from kiln.runner import cpu_ops; "
                            "raise SystemExit(0 if cpu_ops.load() else 1)"], timeout=600)
     assert done.returncode == 0 and not stale.exists()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_move_slots_moves_every_caches_rows_as_torch_indexing_does(dtype):
+    """An accepted tree path's KV moved in every layer at once: slots that are both a source
+    and a destination (a swap, a chain) read their rows from before the move."""
+    gen = torch.Generator().manual_seed(0)
+    caches = [torch.randn(40, 3, 8, generator=gen).to(dtype) for _ in range(4)]
+    src, dst = torch.tensor([5, 6, 9, 12, 13]), torch.tensor([6, 5, 12, 13, 30])
+    expected = [c.clone() for c in caches]
+    for c in expected:
+        c[dst] = c[src]
+    torch.ops.kiln.move_slots(caches, src, dst)
+    for got, want in zip(caches, expected, strict=True):
+        assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        torch.ops.kiln.move_slots(caches, torch.tensor([40]), torch.tensor([0]))

@@ -212,9 +212,12 @@ class ModelRunner:
         if not src:
             return
         src_t, dst_t = torch.tensor(src), torch.tensor(dst)  # gathered, then written
-        for k, v in self.kv_caches:
-            k[dst_t] = k[src_t]
-            v[dst_t] = v[src_t]
+        if self.ops.name == "kernels":  # one call for every layer
+            torch.ops.kiln.move_slots([c for kv in self.kv_caches for c in kv], src_t, dst_t)
+        else:
+            for k, v in self.kv_caches:
+                k[dst_t] = k[src_t]
+                v[dst_t] = v[src_t]
         step = self.last_step
         if step is not None and step.batch is batch:
             rows = torch.arange(len(batch.input_ids))

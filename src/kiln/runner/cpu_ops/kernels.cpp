@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <cmath>
 #include <limits>
@@ -191,6 +192,29 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
       std::copy_n(vp + t * v.stride(0), width, vc + sl[t] * width);
     }
   });
+}
+
+// caches[i][dst[j]] = caches[i][src[j]] for every cache (any shape [slots, ...], contiguous)
+// and slot pair, the source rows gathered before any is written: an accepted tree path's KV
+// moved to its positions in every layer in one call (from Python, two index ops per layer).
+void move_slots(at::TensorList caches, const at::Tensor& src,
+                const at::Tensor& dst) {
+  TORCH_CHECK(src.numel() == dst.numel(), "move_slots: src and dst must pair up");
+  auto s = src.contiguous().to(at::kLong), d = dst.contiguous().to(at::kLong);
+  const int64_t n = s.numel(), *sp = s.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>();
+  std::vector<char> rows;
+  for (const auto& cache : caches) {
+    TORCH_CHECK(cache.is_contiguous() && cache.dim() >= 1, "move_slots: contiguous caches");
+    const int64_t slots = cache.size(0), row = cache.numel() / std::max<int64_t>(slots, 1) *
+                                                   cache.element_size();
+    for (int64_t j = 0; j < n; ++j)
+      TORCH_CHECK(0 <= sp[j] && sp[j] < slots && 0 <= dp[j] && dp[j] < slots,
+                  "move_slots: slot out of range");
+    char* base = static_cast<char*>(cache.data_ptr());
+    rows.resize(n * row);
+    for (int64_t j = 0; j < n; ++j) std::memcpy(rows.data() + j * row, base + sp[j] * row, row);
+    for (int64_t j = 0; j < n; ++j) std::memcpy(base + dp[j] * row, rows.data() + j * row, row);
+  }
 }
 
 // Vector helpers: fp32 dot and axpy against a row stored in T (bf16, fp16 or fp32).
@@ -1300,6 +1324,7 @@ TORCH_LIBRARY(kiln, m) {
         "int num_q_heads, int num_kv_heads, int head_dim) -> ()", &rotary_inplace);
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()", &write_kv);
+  m.def("move_slots(Tensor(a!)[] caches, Tensor src, Tensor dst) -> ()", &move_slots);
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_table, Tensor query_start, Tensor query_lens, Tensor context_lens, "
         "int block_size, float scale, Tensor? tree_mask=None) -> ()", &paged_attention);
