@@ -293,16 +293,16 @@ class HeadProposer:
             if d == depth:
                 break
             score, best = cand.topk(width, dim=-1)  # [B, W] the next beams, likeliest first
-            rows_live = self._live(score)
-            if rows_live == 0:
+            next_live = self._live(score)
+            if next_live == 0:
                 break
-            score, best = score[:, :rows_live], best[:, :rows_live]
+            score, best = score[:, :next_live], best[:, :next_live]
             rows = (torch.arange(b)[:, None] * live + best // width).reshape(-1)
             h = h[rows]
             chain.reorder(rows)
             fed = child.gather(1, best).reshape(-1)
             beams = [[first[s] + c for c in row] for s, row in enumerate(best.tolist())]
-            live = rows_live
+            live = next_live
         return nodes
 
     def _live(self, logp: torch.Tensor) -> int:
