@@ -240,8 +240,11 @@ class CpuPagedAttention:
         is_short = layout.query_lens <= self.max_kernel_query_len
         if layout.tree_mask is not None:  # a draft tree (up to 32 tokens) needs its bits here
             is_short |= layout.tree_mask[layout.query_start + layout.query_lens - 1] != 0
-        short = _subset(layout, is_short) if bool(is_short.any()) else None
-        long = None if bool(is_short.all()) else _subset(layout, ~is_short)
+        if bool(is_short.all()):  # decode and verify steps: no copies of the layout
+            short, long = layout, None
+        else:
+            short = _subset(layout, is_short) if bool(is_short.any()) else None
+            long = _subset(layout, ~is_short)
         return CpuAttentionMetadata(slot_mapping_for(layout, positions, block_size), block_size,
                                     short, long, len(positions))
 
