@@ -547,7 +547,9 @@ inline void values_f32(const at::BFloat16* vc, const int64_t* table, float* vf, 
   }
 }
 
-// weighted_values_regs over fp32 V rows [nk, 16 CHUNKS] (values_f32)
+// weighted_values_regs over fp32 V rows [nk, 16 CHUNKS] (values_f32), key by key with no
+// block table, 6 rows at a time (24 accumulators): weighted_values_rows' 4-row blocks run on
+// the same fp32 rows took 2.5 ms where this takes 2.0 (21-token tree query, 30 layers)
 template <int ROWS, int CHUNKS>
 inline void weighted_values_f32_regs(const float* p, const float* vf, float* acc, int64_t nk) {
   constexpr int64_t d = CHUNKS * 16;
