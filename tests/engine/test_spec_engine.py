@@ -323,6 +323,53 @@ def test_draft_model_with_a_draft_vocabulary(reference, llama_path, tmp_path):
         LLM(llama_path, dtype="float32", num_threads=1, speculator=str(draft))
 
 
+@pytest.mark.parametrize("rows", [3, 6])  # int8 copies up to 4 rows, the dense ones past
+def test_head_layer_in_one_call_is_its_ops(llama_path, head_path, rows):
+    """A bf16 head's layer runs as one `kiln::llama_stack` call, the target's own kernels: h
+    within bf16 rounding of the same layer's ops one by one (which rotate in bf16, the kernel
+    from fp32 tables), the same KV written, the same likeliest drafts at almost every row, for
+    a round's draft rows and for a catch-up's several positions of one sequence. Greedy
+    output stays the target's."""
+    from kiln.runner.attention import SeqLayout
+
+    llm = LLM(llama_path, dtype="bfloat16", num_threads=1, speculator=head_path,
+              speculative_config=FORCED)
+    proposer = llm.engine.speculator.proposer
+    if proposer.stack is None:
+        pytest.skip("kiln's C++ kernels or oneDNN bf16 packing are not available here")
+    torch.manual_seed(0)
+    for t in proposer.kv:
+        t[:64].normal_()
+    hidden = proposer.head.c.hidden_size
+    ctx_len, tables = torch.tensor([21]), torch.tensor([[2, 0, 1]])
+    layout, positions, slots = proposer._rows(ctx_len, tables, rows, rows, 2).layout(0)
+    catch_up = SeqLayout(torch.tensor([0]), torch.tensor([rows]), torch.tensor([21 - rows]),
+                         tables)
+    for layout, positions, slots in ((layout, positions, slots),
+                                     (catch_up, torch.arange(21 - rows, 21), None)):
+        meta = proposer.paged.build_metadata(layout, positions, proposer.block_size, slots)
+        g = torch.randn(rows, hidden, dtype=torch.bfloat16)
+        tokens = torch.randint(0, 256, (rows,))
+        before = [t.clone() for t in proposer.kv]
+        fused, fused_normed = proposer._forward(g, tokens, positions, meta)
+        fused_kv = [t.clone() for t in proposer.kv]
+        for t, b in zip(proposer.kv, before, strict=True):
+            t.copy_(b)
+        stack, proposer.stack = proposer.stack, None
+        ops, ops_normed = proposer._forward(g, tokens, positions, meta)
+        proposer.stack = stack
+        assert (fused.float() - ops.float()).abs().max() <= 0.03 * ops.float().abs().max()
+        for a, b, old in zip(fused_kv, proposer.kv, before, strict=True):
+            assert (a.float() - b.float()).abs().max() <= 0.03 * b.float().abs().max()
+            assert not torch.equal(a, old)  # written
+        agree = proposer._pick(fused_normed) == proposer._pick(ops_normed)
+        assert agree.float().mean() >= 0.8
+    bf16 = LLM(llama_path, dtype="bfloat16", num_threads=1)
+    ps = prompts(llm.get_tokenizer())
+    assert (ids(llm.generate(ps, greedy(), use_tqdm=False))
+            == ids(bf16.generate(ps, greedy(), use_tqdm=False)))
+
+
 def test_head_that_never_drafts_never_runs(reference, llama_path, head_path):
     """With drafting switched off throughout, the head does no catch-up work at a request's
     end: its KV stays zero (no head forward ran), and the next run, with prefix hits and
@@ -870,8 +917,8 @@ def test_adaptive_trees_measure_trees_and_chains_and_stay_lossless(ngram_first, 
 
 def test_head_tree_is_its_beam_search(reference, llama_path, head_path):
     """The head's tree nodes are the beam search they claim to be: each node's score is its
-    path's log-likelihood found by running the head along that path alone (its own chain
-    attention, one token at a time), and the nodes are the children of the `width` likeliest
+    path's log-likelihood found by running the head along that path alone (a round of one
+    row, one token at a time), and the nodes are the children of the `width` likeliest
     paths at each depth (the rows batched over the beams attend each one's own ancestors)
     whose path probability reaches the floor. Expanding only those keeps the tree the whole
     beam search would give."""
@@ -884,11 +931,11 @@ def test_head_tree_is_its_beam_search(reference, llama_path, head_path):
 
     def path_scores(h, ctx_len, tables, depth, width, prune) -> dict[tuple, float]:
         def top_after(path):  # the head along `path` alone, from the root's h
-            chain, x = proposer._chain(ctx_len[:1], tables[:1]), h[:1]
+            rows, x = proposer._rows(ctx_len[:1], tables[:1], 1, 1, depth), h[:1]
+            normed = proposer._norm(x)
             for j, t in enumerate(path):
-                x = proposer.head(x, proposer.embed(torch.tensor([t])),
-                                  *proposer._rope(ctx_len[:1] + j), chain)
-            logp, tokens = proposer._top(x, width)
+                x, normed = proposer._step(rows, x, torch.tensor([t]), j)
+            logp, tokens = proposer._top(normed, width)
             return zip(logp[0].tolist(), tokens[0].tolist(), strict=True)
 
         frontier, scores = [((), 0.0)], {}

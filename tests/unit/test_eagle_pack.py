@@ -107,34 +107,53 @@ def test_int8_packed_head_drafts_like_the_dense_one():
     assert agree.float().mean() >= 5 / 6
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("width", [1, 3])
-def test_chain_attention_is_each_rows_own_attention(width):
-    """ChainAttention over a round's steps, beams reordered between them: each row attends
-    its sequence's valid context keys and the keys of its own path's earlier steps, with GQA
-    (query head i reads kv head i // 2), as a per-row softmax over exactly those keys."""
-    from kiln.spec.eagle import ChainAttention
+def test_draft_rows_attend_their_context_and_own_path(backend, width):
+    """Each draft row of a round is a paged sequence of its own: at every step it attends its
+    sequence's context keys in the head's cache and the keys of its own path's earlier steps
+    (beams reordered between steps, two rows continuing one beam), with GQA (query head i
+    reads kv head i // 2), as a per-row softmax over exactly those keys; the context's blocks
+    are never written. One context ends inside a block, the other on a block boundary."""
+    from kiln.runner import cpu_ops
+    from kiln.runner.attention import get_attention_backend, slot_mapping_for
+    from kiln.spec.head import DraftRows, HeadKV
 
+    kernels = cpu_ops.load()
+    if backend == "cpu" and not kernels:
+        pytest.skip("kiln's C++ kernels did not build here")
     torch.manual_seed(0)
-    b, hq, hkv, d, kctx = 2, 4, 2, 8, 5
-    ctx_k, ctx_v = torch.randn(b, kctx, hkv, d), torch.randn(b, kctx, hkv, d)
-    valid = torch.arange(kctx)[None, :] < torch.tensor([[3], [5]])
-    chain = ChainAttention(ctx_k, ctx_v, valid, 0.3)
+    bs, hq, hkv, d, scale = 4, 4, 2, 8, 0.3
+    attention = get_attention_backend(backend)
+    cache = HeadKV(10 * bs, hkv, d, torch.float32, bs)
+    for t in cache.kv:
+        t.normal_()
+    main = [t.clone() for t in cache.kv]
+    ctx_len, tables = torch.tensor([5, 8]), torch.tensor([[3, 7, 0], [1, 5, 0]])
+    rows = DraftRows(cache, ctx_len, tables, width, width, 3, kernels)
+    b = len(ctx_len)
     paths = [[] for _ in range(b * width)]  # each row's (k, v) of its earlier steps
     for step in range(3):
         if step:  # a beam search's reorder: rows of the same sequence, shuffled
-            rows = torch.cat([s * width + torch.randperm(width) for s in range(b)])
+            kept = torch.cat([s * width + torch.randperm(width) for s in range(b)])
             if width > 1:
-                rows[0] = rows[1]  # two rows continue the same beam
-            chain.reorder(rows)
-            paths = [list(paths[r]) for r in rows.tolist()]
-        q, k, v = torch.randn(b * width, hq, d), torch.randn(b * width, hkv, d), torch.randn(
-            b * width, hkv, d)
-        out = chain(q, k, v).view(b * width, hq, d)
+                kept[0] = kept[1]  # two rows continue the same beam
+            rows.reorder(kept)
+            paths = [list(paths[r]) for r in kept.tolist()]
+        layout, positions, slots = rows.layout(step)
+        assert torch.equal(slots, slot_mapping_for(layout, positions, bs))
+        meta = attention.build_metadata(layout, positions, bs, slots)
+        q, k, v = (torch.randn(b * width, h, d) for h in (hq, hkv, hkv))
+        out = attention.forward(q, k, v, cache.kv, meta, scale).view(b * width, hq, d)
         for row in range(b * width):
             paths[row].append((k[row], v[row]))
             s = row // width
-            keys = torch.cat([ctx_k[s][valid[s]], torch.stack([pk for pk, _ in paths[row]])])
-            values = torch.cat([ctx_v[s][valid[s]], torch.stack([pv for _, pv in paths[row]])])
+            pos = torch.arange(int(ctx_len[s]))
+            slots = tables[s][pos // bs] * bs + pos % bs
+            keys = torch.cat([main[0][slots], torch.stack([pk for pk, _ in paths[row]])])
+            values = torch.cat([main[1][slots], torch.stack([pv for _, pv in paths[row]])])
             for head in range(hq):
-                p = (keys[:, head // 2] @ q[row, head] * 0.3).softmax(0)
+                p = (keys[:, head // 2] @ q[row, head] * scale).softmax(0)
                 torch.testing.assert_close(out[row, head], p @ values[:, head // 2])
+    for t, before in zip(cache.kv, main, strict=True):
+        assert torch.equal(t[:len(before)], before)

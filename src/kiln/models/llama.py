@@ -292,17 +292,23 @@ def fused_stack(model: LlamaForCausalLM, x, positions, kv_caches, meta) -> torch
     """Every decoder layer and the final norm in one call to `kiln::llama_stack`: the same
     kernels in the same order as the per-layer path, so the same result to the bit."""
     w, a = model._stack, model.arch
+    norm = model.model.norm
+    return torch.ops.kiln.llama_stack(
+        x, positions, w["input_norm"], w["qkv"], w["o"], w["post_norm"], w["gate_up"],
+        w["down"], w["qkv_scale"], w["o_scale"], w["gate_up_scale"], w["down_scale"],
+        norm.weight, model.rotary.cos32, model.rotary.sin32,
+        [k for k, _ in kv_caches], [v for _, v in kv_caches], *stack_attention_args(meta),
+        a.head_dim ** -0.5, norm.eps, a.num_heads, a.num_kv_heads, a.head_dim,
+        w["plain_bf16"])
+
+
+def stack_attention_args(meta) -> tuple:
+    """`kiln::llama_stack`'s attention arguments from the cpu backend's metadata: the slot
+    mapping, the short queries' layout (with its tree bits), the long ones', the block size."""
     short, long = meta.short, meta.long
     none4 = (None, None, None, None)
     short_args = ((short.block_table, short.query_start, short.query_lens, short.context_lens,
                    short.tree_mask) if short is not None else (*none4, None))
     long_args = ((long.block_table, long.query_start, long.query_lens, long.context_lens)
                  if long is not None else none4)
-    norm = model.model.norm
-    return torch.ops.kiln.llama_stack(
-        x, positions, w["input_norm"], w["qkv"], w["o"], w["post_norm"], w["gate_up"],
-        w["down"], w["qkv_scale"], w["o_scale"], w["gate_up_scale"], w["down_scale"],
-        norm.weight, model.rotary.cos32, model.rotary.sin32,
-        [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping, *short_args,
-        *long_args, meta.block_size, a.head_dim ** -0.5, norm.eps, a.num_heads,
-        a.num_kv_heads, a.head_dim, w["plain_bf16"])
+    return (meta.slot_mapping, *short_args, *long_args, meta.block_size)

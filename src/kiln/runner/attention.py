@@ -62,8 +62,11 @@ class TorchAttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    def build_metadata(self, layout: SeqLayout, positions: torch.Tensor,
-                       block_size: int) -> TorchAttentionMetadata: ...
+    def build_metadata(self, layout: SeqLayout, positions: torch.Tensor, block_size: int,
+                       slot_mapping: torch.Tensor | None = None) -> TorchAttentionMetadata:
+        """slot_mapping: the tokens' cache slots where the caller has them already (else
+        `slot_mapping_for`)."""
+        ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta, scale: float) -> torch.Tensor:
@@ -146,10 +149,11 @@ def padded_attention(q, kv_cache, meta: PaddedLayout, scale: float) -> torch.Ten
 class TorchPagedAttention:
     """Reference paged attention in plain torch (SDPA over gathered, padded keys)."""
 
-    def build_metadata(self, layout: SeqLayout, positions: torch.Tensor,
-                       block_size: int) -> TorchAttentionMetadata:
-        return TorchAttentionMetadata(slot_mapping_for(layout, positions, block_size),
-                                      build_padded_layout(layout, block_size))
+    def build_metadata(self, layout: SeqLayout, positions: torch.Tensor, block_size: int,
+                       slot_mapping: torch.Tensor | None = None) -> TorchAttentionMetadata:
+        if slot_mapping is None:
+            slot_mapping = slot_mapping_for(layout, positions, block_size)
+        return TorchAttentionMetadata(slot_mapping, build_padded_layout(layout, block_size))
 
     def forward(self, q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float):
         k_cache, v_cache = kv_cache
@@ -235,8 +239,8 @@ class CpuPagedAttention:
             log.info("kiln CPU kernels built without AVX512-BF16: long prefill chunks use "
                      "torch's SDPA")
 
-    def build_metadata(self, layout: SeqLayout, positions: torch.Tensor,
-                       block_size: int) -> CpuAttentionMetadata:
+    def build_metadata(self, layout: SeqLayout, positions: torch.Tensor, block_size: int,
+                       slot_mapping: torch.Tensor | None = None) -> CpuAttentionMetadata:
         is_short = layout.query_lens <= self.max_kernel_query_len
         if layout.tree_mask is not None:  # a draft tree (up to 32 tokens) needs its bits here
             is_short |= layout.tree_mask[layout.query_start + layout.query_lens - 1] != 0
@@ -245,8 +249,9 @@ class CpuPagedAttention:
         else:
             short = _subset(layout, is_short) if bool(is_short.any()) else None
             long = _subset(layout, ~is_short)
-        return CpuAttentionMetadata(slot_mapping_for(layout, positions, block_size), block_size,
-                                    short, long, len(positions))
+        if slot_mapping is None:
+            slot_mapping = slot_mapping_for(layout, positions, block_size)
+        return CpuAttentionMetadata(slot_mapping, block_size, short, long, len(positions))
 
     def forward(self, q, k, v, kv_cache, meta: CpuAttentionMetadata, scale: float):
         k_cache, v_cache = kv_cache

@@ -13,8 +13,9 @@ t_{p+2}. The head then runs on its own outputs: (h_{p+1}, draft_1) -> h_{p+2} ->
 Attention comes in three shapes with one meaning ("step 1 keys causally, then this round's
 own draft keys"): over verified positions the head attends its paged KV cache (same slots as
 the target, so prefix caching and rollback come free); draft steps attend that context plus
-their round's earlier draft keys (`ChainAttention`); training unrolls the same chain for
-every position at once (kiln.spec.train). The embedding and LM head are the target's; the
+their own path's earlier draft keys (kiln.spec.head's `DraftRows`: each draft row a paged
+sequence of its own); training unrolls the same chain for every position at once
+(kiln.spec.train). The embedding and LM head are the target's; the
 head owns `fuse`, `fc`, the layer and a norm (a few million parameters). The proposer that
 runs it inside the engine is kiln.spec.head.
 """
@@ -22,6 +23,7 @@ runs it inside the engine is kiln.spec.head.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -152,57 +154,6 @@ class EagleHead(nn.Module):
         return F.linear(rms_norm(h, self.norm, self.c.rms_norm_eps), lm_rows)
 
 
-class ChainAttention:
-    """Draft steps of one round: each row's query attends its sequence's context keys (the
-    paged cache of verified positions, gathered once per sequence) plus the keys of this
-    round's earlier steps on its own path. A sequence has W consecutive rows (a beam search's
-    beams; 1 for a chain; W = rows / sequences): q [B * W, Hq, D], k/v [B * W, Hkv, D]. The W
-    rows of a sequence share its context, so its scores are one product of all their queries
-    with its keys (a beam of 8 attending a 150-token context took 0.66 ms per layer through
-    SDPA with the context copied per row); scores and sums in fp32."""
-
-    def __init__(self, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_valid: torch.Tensor,
-                 scale: float):
-        self.ctx_k = ctx_k.transpose(1, 2).float()  # [B, Hkv, Kctx, D]
-        self.ctx_v = ctx_v.transpose(1, 2).float()
-        bias = torch.zeros(ctx_valid.shape).masked_fill_(~ctx_valid, float("-inf"))
-        self.bias = bias[:, None, None, :]  # [B, 1, 1, Kctx]: 0 or -inf
-        self.keys: list[torch.Tensor] = []  # this round's steps: [B * W, Hkv, D] each
-        self.values: list[torch.Tensor] = []
-        self.scale = scale
-
-    def reorder(self, rows: torch.Tensor) -> None:
-        """Row i continues row rows[i], a row of the same sequence (a beam search keeps its
-        best rows): its earlier draft keys become that row's."""
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
-
-    def __call__(self, q, k, v) -> torch.Tensor:
-        self.keys.append(k.float())
-        self.values.append(v.float())
-        n, hq, d = q.shape
-        b, hkv = self.ctx_k.shape[0], self.ctx_k.shape[1]
-        w = n // b  # rows per sequence
-        g = hq // hkv  # query heads per kv head (query head i reads kv head i // g)
-
-        def by_sequence(x):  # [B * W, Hkv, G, X] -> [B, Hkv, W * G, X]
-            return x.view(b, w, hkv, g, -1).transpose(1, 2).reshape(b, hkv, w * g, -1)
-
-        def by_row(x):  # the inverse
-            return x.view(b, hkv, w, g, -1).transpose(1, 2).reshape(n, hkv, g, -1)
-
-        qf = q.float().view(n, hkv, g, d) * self.scale
-        own_k = torch.stack(self.keys, dim=2)  # [B * W, Hkv, S, D]
-        scores = torch.cat((torch.matmul(by_sequence(qf), self.ctx_k.transpose(2, 3))
-                            + self.bias,
-                            by_sequence(torch.matmul(qf, own_k.transpose(2, 3)))), dim=-1)
-        p = scores.softmax(dim=-1)  # [B, Hkv, W * G, Kctx + S]
-        kctx = self.ctx_k.shape[2]
-        out = by_row(torch.matmul(p[..., :kctx], self.ctx_v))
-        out = out + torch.matmul(by_row(p[..., kctx:]), torch.stack(self.values, dim=2))
-        return out.reshape(n, hq * d).to(q.dtype)
-
-
 def save_head(head: EagleHead, out_dir: Path, dtype: torch.dtype) -> None:
     from safetensors.torch import save_file
 
@@ -302,6 +253,35 @@ def pack_for_inference(head: EagleHead, ops=None, int8: bool = False) -> EagleHe
             if isinstance(child, nn.Linear):
                 setattr(module, name, packed_linear(child.weight.data, int8))
     return head
+
+
+def stack_weights(head: EagleHead) -> list[tuple[float, dict, bool]] | None:
+    """The packed head's decoder layer as `kiln::llama_stack` takes it (one layer), per input
+    size: [(most rows, {projection: (weight, scale)}, plain_bf16)], fewest rows first. Where
+    the layer's linears carry int8 copies (`SmallBatchInt8`), those serve up to their row
+    limit; the dense copy (oneDNN-packed bf16, or plain bf16 through kiln's bf16_gemm up to its
+    row limit) serves the rest. None where the layer is not packed in those forms (an fp32
+    head, the reference ops)."""
+    from kiln.models.layers.cpu_bf16 import BF16_GEMM_MAX_TOKENS, CpuBf16LinearMethod
+    from kiln.models.llama import stack_linear_tensors
+
+    layer = head.layer
+    if layer.fused is None:
+        return None
+    linears = {"qkv": layer.fused[0], "o": layer.o_proj, "gate_up": layer.fused[1],
+               "down": layer.down_proj}
+    dense = {name: m.dense if isinstance(m, SmallBatchInt8) else m
+             for name, m in linears.items()}
+    tensors = {name: stack_linear_tensors(m) for name, m in dense.items()}
+    if None in tensors.values() or any(t[1].numel() for t in tensors.values()):
+        return None
+    plain = any(isinstance(m.method, CpuBf16LinearMethod) for m in dense.values())
+    sets = [(BF16_GEMM_MAX_TOKENS if plain else math.inf, tensors, plain)]
+    if all(isinstance(m, SmallBatchInt8) for m in linears.values()):
+        small = {name: stack_linear_tensors(m.int8) for name, m in linears.items()}
+        if None not in small.values():
+            sets.insert(0, (min(m.max_rows for m in linears.values()), small, False))
+    return sets
 
 
 # -- inference helpers (kiln.spec.head) ----------------------------------------------------------

@@ -28,14 +28,14 @@ import torch
 
 from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kiln.models.layers.rotary import RotaryEmbedding
-from kiln.runner.attention import SeqLayout
+from kiln.runner.attention import CpuPagedAttention, SeqLayout
 from kiln.spec.eagle import (
-    ChainAttention,
     FeatureTap,
     lm_head_rows,
     load_head,
     pack_for_inference,
     packed_linear,
+    stack_weights,
 )
 from kiln.spec.proposer import Draft, DraftRequest, ProposerContext, register_proposer
 from kiln.spec.shortlist import Shortlist
@@ -96,6 +96,94 @@ class _Pending:
         self.end = self.start + sum(len(f) for f in kept)
 
 
+class HeadKV:
+    """The head's paged KV cache (one layer): the target's slots, so the head's KV of a
+    position sits in the block where the target keeps its own, then scratch blocks for the
+    rows of a drafting round (`DraftRows`), grown as rounds need more."""
+
+    def __init__(self, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 block_size: int):
+        self.block_size, self.main_blocks = block_size, slots // block_size
+        self.kv = tuple(torch.zeros(slots, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+
+    def scratch(self, blocks: int) -> torch.Tensor:
+        """Ids of the first `blocks` scratch blocks (their contents are the caller's)."""
+        have = len(self.kv[0]) // self.block_size - self.main_blocks
+        if have < blocks:
+            more = max(blocks, 2 * have) - have
+            self.kv = tuple(torch.cat((t, t.new_zeros(more * self.block_size, *t.shape[1:])))
+                            for t in self.kv)
+        return self.main_blocks + torch.arange(blocks)
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, kernels: bool) -> None:
+        """K and V of blocks `src` into blocks `dst` (each source read before any write)."""
+        offsets = torch.arange(self.block_size)
+        src_slots = (src[:, None] * self.block_size + offsets).reshape(-1)
+        dst_slots = (dst[:, None] * self.block_size + offsets).reshape(-1)
+        if kernels:
+            torch.ops.kiln.move_slots(list(self.kv), src_slots, dst_slots)
+        else:
+            for t in self.kv:
+                t[dst_slots] = t[src_slots]
+
+
+class DraftRows:
+    """A drafting round's rows, each a paged sequence of its own. Row r of sequence s (up to
+    `width` rows per sequence: a beam search's beams) reads s's verified context from the
+    head's cache blocks, as the catch-up left them, and then its own path's draft keys, which
+    it writes to scratch blocks continuing the context's last, partial block (copied in when
+    the round starts). Every draft step is then an ordinary short-query attention over the
+    cache, for the target's C++ kernel or the torch reference alike, with nothing gathered
+    per round: row r at step j is a query at position ctx_s + j whose keys are positions
+    0..ctx_s + j. When a beam search keeps its best rows (`reorder`), each row's scratch
+    blocks are copied from the row it continues (two scratch areas, used in turn)."""
+
+    def __init__(self, cache: HeadKV, ctx_len: torch.Tensor, tables: torch.Tensor,
+                 rows_per_seq: int, width: int, steps: int, kernels: bool):
+        bs = cache.block_size
+        self.cache, self.kernels, self.num_seqs = cache, kernels, len(ctx_len)
+        self.steps = steps
+        self.blocks = (2 * bs - 2 + steps) // bs  # own blocks per row: ctx % bs + steps slots
+        areas = cache.scratch(2 * self.num_seqs * width * self.blocks)
+        self.areas = areas.view(2, self.num_seqs * width, self.blocks)
+        self.area = 0
+        self.seq_ctx, self.seq_tables = ctx_len, tables
+        self._assign(torch.arange(self.num_seqs).repeat_interleave(rows_per_seq))
+        first = self.seq_tables.gather(
+            1, (ctx_len // bs).clamp(max=tables.shape[1] - 1)[:, None])[:, 0]
+        cache.copy_blocks(first[self.seq], self.own[:, 0], kernels)  # the partial block
+
+    def _assign(self, seq: torch.Tensor) -> None:
+        """Rows of sequences `seq` ([n]) on the current area's first n rows of blocks."""
+        bs, n = self.cache.block_size, len(seq)
+        self.seq, self.ctx = seq, self.seq_ctx[seq]
+        self.own = self.areas[self.area, :n]
+        first = (self.ctx // bs)[:, None]
+        col = torch.arange(int(first.max()) + self.blocks)
+        context = self.seq_tables[seq][:, col.clamp(max=self.seq_tables.shape[1] - 1)]
+        own = self.own.gather(1, (col[None, :] - first).clamp(0, self.blocks - 1))
+        self.tables = torch.where(col[None, :] < first, context, own)
+        # each row's slot at every step of the round: [n, steps]
+        at = self.ctx[:, None] % bs + torch.arange(self.steps)
+        self.slots = self.own.gather(1, at // bs) * bs + at % bs
+        self.starts, self.ones = torch.arange(n), torch.ones(n, dtype=torch.long)
+
+    def layout(self, step: int) -> tuple[SeqLayout, torch.Tensor, torch.Tensor]:
+        """Draft step `step` (0 = the round's first): each row one query token at position
+        ctx + step -> (their layout, positions, cache slots)."""
+        positions = self.ctx + step
+        return (SeqLayout(self.starts, self.ones, positions, self.tables), positions,
+                self.slots[:, step])
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Row i continues row rows[i] (of the same sequence): its path's keys become that
+        row's."""
+        src = self.own[rows]
+        self.area = 1 - self.area
+        self._assign(self.seq[rows])
+        self.cache.copy_blocks(src.reshape(-1), self.own.reshape(-1), self.kernels)
+
+
 @register_proposer("head")
 class HeadProposer:
     def __init__(self, config, ctx: ProposerContext):
@@ -115,18 +203,26 @@ class HeadProposer:
         self.lm = packed_linear(lm_head_rows(model, self.head.draft_vocab), config.speculator_int8)
         if config.verify_shortlist:  # the same rows guess the target's choices in verification
             runner.shortlist = Shortlist(self.head.draft_vocab, self.lm)
-        rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
-                                 c.rope_scaling, runner.dtype)
-        self.cos, self.sin = rotary.cos, rotary.sin
+        self.rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
+                                      c.rope_scaling, runner.dtype)
         self.tap = FeatureTap(model, c.feature_layers)
         self.paged, self.scale = runner.backend, c.head_dim ** -0.5  # the target's kernels
-        shape = (runner.kv_caches[0][0].shape[0], c.num_kv_heads, c.head_dim)  # target slots
-        self.kv = (torch.zeros(shape, dtype=runner.dtype),
-                   torch.zeros(shape, dtype=runner.dtype))
+        self.cache = HeadKV(runner.kv_caches[0][0].shape[0], c.num_kv_heads, c.head_dim,
+                            runner.dtype, self.block_size)
+        self.kernels = self.ops.name == "kernels"
+        # the layer in one C++ call (as the target's own layers), where it is packed for it
+        self.stack = (stack_weights(self.head) if self.kernels
+                      and isinstance(self.paged, CpuPagedAttention) else None)
+        self.stack_long = (self.stack is not None and self.paged.bf16_prefill
+                           and c.head_dim in (64, 128) and runner.dtype == torch.bfloat16)
         self.pending: dict[str, _Pending] = {}
         self.drafted: set[str] = set()  # requests the head has drafted for
         self.rounds = 0
         runner.keep_hidden = True
+
+    @property
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.kv
 
     @torch.inference_mode()
     def propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]) -> list[Draft]:
@@ -211,12 +307,8 @@ class HeadProposer:
         layout = SeqLayout(torch.cumsum(lens, 0) - lens, lens,
                            torch.tensor([p.start for _, p in entries]), rows)
         meta = self.paged.build_metadata(layout, positions, self.block_size)
-
-        def attend(q, k, v):
-            return self.paged.forward(q, k, v, self.kv, meta, self.scale)
-
         g = self.head.features(torch.cat([f for _, p in entries for f in p.feats]))
-        h = self.head(g, self.embed(tokens), *self._rope(positions), attend)
+        h, _ = self._forward(g, tokens, positions, meta)
         ends = (torch.cumsum(lens, 0) - 1).tolist()
         return {rid: (h[end], p.end, row)
                 for (rid, p), end, row in zip(entries, ends, rows, strict=True)}
@@ -238,13 +330,13 @@ class HeadProposer:
             for i, tree in zip(live, self._tree(h, ctx_len, tables, k, width), strict=True):
                 out[i] = tree
             return out
-        token = self._pick(h)
+        token = self._pick(self._norm(h))
         drafts = [token]
         if k > 1:
-            chain = self._chain(ctx_len, tables)
+            rows = self._rows(ctx_len, tables, 1, 1, k - 1)
             for j in range(k - 1):
-                h = self.head(h, self.embed(token), *self._rope(ctx_len + j), chain)
-                token = self._pick(h)
+                h, normed = self._step(rows, h, token, j)
+                token = self._pick(normed)
                 drafts.append(token)
         table = torch.stack(drafts, dim=1).tolist()
         for b, i in enumerate(live):
@@ -269,75 +361,114 @@ class HeadProposer:
         P >= 0.012 on prose: about 4 of 8 rows at the second draft step, 5 at the third;
         at 4 rows or fewer its int8 weights serve, so its probabilities move slightly)."""
         b = len(h)
-        logp, token = self._top(h, width)  # [B, W]: the first drafts
+        logp, token = self._top(self._norm(h), width)  # [B, W]: the first drafts
         # per sequence: nodes (log-likelihood, depth, token, parent), the beams' node ids
+        logps = logp.tolist()
         nodes = [[(s, 1, t, -1) for s, t in zip(ls, ts, strict=True)]
-                 for ls, ts in zip(logp.tolist(), token.tolist(), strict=True)]
-        live = self._live(logp)  # beams expanded: the likeliest first, the same per sequence
+                 for ls, ts in zip(logps, token.tolist(), strict=True)]
+        live = self._live(logps, width)  # beams expanded: the likeliest, the same per sequence
         if depth == 1 or live == 0:
             return nodes
         beams = [list(range(live)) for _ in range(b)]
-        chain = self._chain(ctx_len, tables)  # each sequence's context, once
+        rows = self._rows(ctx_len, tables, live, width, depth - 1)
         h = h.repeat_interleave(live, 0)
         score, fed = logp[:, :live], token[:, :live].reshape(-1)
         for d in range(2, depth + 1):
-            h = self.head(h, self.embed(fed), *self._rope(ctx_len.repeat_interleave(live) + d - 2),
-                          chain)
-            child_logp, child = self._top(h, width)  # [B * live, W]
+            h, normed = self._step(rows, h, fed, d - 2)
+            child_logp, child = self._top(normed, width)  # [B * live, W]
             cand = (score.reshape(-1, 1) + child_logp).view(b, live * width)
             child = child.view(b, live * width)
             first = [len(n) for n in nodes]  # node id of each sequence's first candidate
-            for s, (ls, ts) in enumerate(zip(cand.tolist(), child.tolist(), strict=True)):
+            cands = cand.tolist()
+            for s, (ls, ts) in enumerate(zip(cands, child.tolist(), strict=True)):
                 nodes[s] += [(ls[c], d, ts[c], beams[s][c // width])
                              for c in range(live * width)]
             if d == depth:
                 break
-            score, best = cand.topk(width, dim=-1)  # [B, W] the next beams, likeliest first
-            next_live = self._live(score)
+            next_live = self._live(cands, width)
             if next_live == 0:
                 break
-            score, best = score[:, :next_live], best[:, :next_live]
-            rows = (torch.arange(b)[:, None] * live + best // width).reshape(-1)
-            h = h[rows]
-            chain.reorder(rows)
+            score, best = cand.topk(next_live, dim=-1)  # the next beams, likeliest first
+            kept = (torch.arange(b)[:, None] * live + best // width).reshape(-1)
+            h = h[kept]
+            rows.reorder(kept)
             fed = child.gather(1, best).reshape(-1)
             beams = [[first[s] + c for c in row] for s, row in enumerate(best.tolist())]
             live = next_live
         return nodes
 
-    def _live(self, logp: torch.Tensor) -> int:
-        """How many of each sequence's beams (log-likelihoods [B, W], likeliest first) to
-        expand: those at or above the floor in the sequence that has the most, all without
-        one."""
+    def _live(self, logps: list[list[float]], width: int) -> int:
+        """How many beams to expand, of each sequence's `width` likeliest paths (candidates'
+        log-likelihoods per sequence): those at or above the floor in the sequence that has
+        the most, all `width` without one."""
         if self.min_prob is None:
-            return logp.shape[1]
-        return int((logp >= math.log(self.min_prob)).sum(dim=1).max())
+            return width
+        floor = math.log(self.min_prob)
+        return min(width, max(sum(lp >= floor for lp in row) for row in logps))
 
-    def _rope(self, positions: torch.Tensor):
-        return self.cos[positions][:, None], self.sin[positions][:, None]
+    # -- the head's layer ------------------------------------------------------------------
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm(self.ops.rms_norm(h, self.head.norm, self.head.c.rms_norm_eps))
+    def _rows(self, ctx_len: torch.Tensor, tables: torch.Tensor, rows_per_seq: int,
+              width: int, steps: int) -> DraftRows:
+        return DraftRows(self.cache, ctx_len, tables, rows_per_seq, width, steps, self.kernels)
 
-    def _pick(self, h: torch.Tensor) -> torch.Tensor:
-        """The head's choice per row ([B])."""
-        return self.head.draft_vocab[self._logits(h).argmax(dim=-1)]
+    def _step(self, rows: DraftRows, h: torch.Tensor, tokens: torch.Tensor,
+              step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft step `step` of a round for every row: -> (h, its final norm)."""
+        layout, positions, slots = rows.layout(step)
+        meta = self.paged.build_metadata(layout, positions, self.block_size, slots)
+        return self._forward(h, tokens, positions, meta)
 
-    def _top(self, h: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head's `width` likeliest tokens per row, best first, with their log-probabilities
-        (over the draft vocabulary): ([B, width] float32, [B, width] target ids)."""
-        logp, index = self._logits(h).float().log_softmax(dim=-1).topk(width, dim=-1)
+    def _forward(self, g: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                 meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head at these positions (g: target features or the head's own h; tokens: the
+        token after each position), attending the head's cache through `meta` -> (h, the
+        next feature estimate [T, H]; its final norm, which the LM rows read).
+
+        Where the layer is packed for it, one call to `kiln::llama_stack` runs it (norms,
+        q/k/v, rotary, KV write, attention, o, MLP and the final norm: the target's own
+        kernels), which x, the residual stream, leaves as h; otherwise the layer's ops one by
+        one (rotary from the bf16 tables rather than fp32 ones, so not the same bits)."""
+        head = self.head
+        x = head.fc(torch.cat((self.embed(tokens), g.to(self.embed.weight.dtype)), dim=-1))
+        weights = self._stack_weights(len(x), meta)
+        if weights is None:
+            cos, sin = self.rotary.cos[positions][:, None], self.rotary.sin[positions][:, None]
+            h = head.layer(x, cos, sin,
+                           lambda q, k, v: self.paged.forward(q, k, v, self.kv, meta, self.scale))
+            return h, self._norm(h)
+        from kiln.models.llama import stack_attention_args
+
+        w, plain, layer, c = weights[1], weights[2], head.layer, head.c
+        scales = [[w[name][1]] if w[name][1].numel() else [] for name in w]
+        normed = torch.ops.kiln.llama_stack(
+            x, positions, [layer.input_layernorm], [w["qkv"][0]], [w["o"][0]],
+            [layer.post_attention_layernorm], [w["gate_up"][0]], [w["down"][0]], *scales,
+            head.norm, self.rotary.cos32, self.rotary.sin32, [self.kv[0]], [self.kv[1]],
+            *stack_attention_args(meta), self.scale, c.rms_norm_eps, c.num_heads,
+            c.num_kv_heads, c.head_dim, plain)
+        return x, normed
+
+    def _stack_weights(self, rows: int, meta) -> tuple | None:
+        """The layer's tensors for `kiln::llama_stack` at this many rows, or None (the ops
+        one by one)."""
+        if self.stack is None or (meta.long is not None and not self.stack_long):
+            return None
+        return next((entry for entry in self.stack if rows <= entry[0]), None)
+
+    def _norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(h, self.head.norm, self.head.c.rms_norm_eps)
+
+    def _pick(self, normed: torch.Tensor) -> torch.Tensor:
+        """The head's choice per row ([B]), from its final norm."""
+        return self.head.draft_vocab[self.lm(normed).argmax(dim=-1)]
+
+    def _top(self, normed: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's `width` likeliest tokens per row (from its final norm), best first, with
+        their log-probabilities (over the draft vocabulary): ([B, width] float32, [B, width]
+        target ids)."""
+        logp, index = self.lm(normed).float().log_softmax(dim=-1).topk(width, dim=-1)
         return logp, self.head.draft_vocab[index]
-
-    def _chain(self, ctx_len: torch.Tensor, tables: torch.Tensor) -> ChainAttention:
-        """Gather each sequence's head KV of positions < ctx_len once per round (for all
-        its rows: a beam's share it)."""
-        bs, k_max = self.block_size, int(ctx_len.max())
-        pos = torch.arange(k_max)
-        slots = tables[:, (pos // bs).clamp(max=tables.shape[1] - 1)] * bs + pos % bs
-        valid = pos[None, :] < ctx_len[:, None]
-        slots = torch.where(valid, slots, 0)
-        return ChainAttention(self.kv[0][slots], self.kv[1][slots], valid, self.scale)
 
 
 def tree_node_count(nodes: list[tuple[float, int, int, int]], likeliest: int,
