@@ -28,6 +28,7 @@ import torch
 
 from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kiln.models.layers.rotary import RotaryEmbedding
+from kiln.models.llama import stack_attention_args
 from kiln.runner.attention import CpuPagedAttention, SeqLayout
 from kiln.spec.eagle import (
     FeatureTap,
@@ -106,25 +107,24 @@ class HeadKV:
         self.block_size, self.main_blocks = block_size, slots // block_size
         self.kv = tuple(torch.zeros(slots, kv_heads, head_dim, dtype=dtype) for _ in range(2))
 
-    def scratch(self, blocks: int) -> torch.Tensor:
-        """Ids of the first `blocks` scratch blocks (their contents are the caller's)."""
+    def scratch(self, blocks: int) -> int:
+        """The first of `blocks` consecutive scratch blocks (their contents are the
+        caller's)."""
         have = len(self.kv[0]) // self.block_size - self.main_blocks
         if have < blocks:
             more = max(blocks, 2 * have) - have
             self.kv = tuple(torch.cat((t, t.new_zeros(more * self.block_size, *t.shape[1:])))
                             for t in self.kv)
-        return self.main_blocks + torch.arange(blocks)
+        return self.main_blocks
 
-    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, kernels: bool) -> None:
-        """K and V of blocks `src` into blocks `dst` (each source read before any write)."""
-        offsets = torch.arange(self.block_size)
-        src_slots = (src[:, None] * self.block_size + offsets).reshape(-1)
-        dst_slots = (dst[:, None] * self.block_size + offsets).reshape(-1)
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, kernels: bool) -> None:
+        """K and V of slots `src` into slots `dst` (each source read before any write)."""
+        src, dst = src.reshape(-1), dst.reshape(-1)
         if kernels:
-            torch.ops.kiln.move_slots(list(self.kv), src_slots, dst_slots)
+            torch.ops.kiln.move_slots(list(self.kv), src, dst)
         else:
             for t in self.kv:
-                t[dst_slots] = t[src_slots]
+                t[dst] = t[src]
 
 
 class DraftRows:
@@ -135,53 +135,57 @@ class DraftRows:
     the round starts). Every draft step is then an ordinary short-query attention over the
     cache, for the target's C++ kernel or the torch reference alike, with nothing gathered
     per round: row r at step j is a query at position ctx_s + j whose keys are positions
-    0..ctx_s + j. When a beam search keeps its best rows (`reorder`), each row's scratch
-    blocks are copied from the row it continues (two scratch areas, used in turn)."""
+    0..ctx_s + j. Row i's scratch blocks are consecutive, at a fixed place per row index in
+    one of two areas; when a beam search keeps its best rows (`reorder`), the kept rows'
+    scratch is copied to the other area, in their new order."""
 
     def __init__(self, cache: HeadKV, ctx_len: torch.Tensor, tables: torch.Tensor,
                  rows_per_seq: int, width: int, steps: int, kernels: bool):
         bs = cache.block_size
-        self.cache, self.kernels, self.num_seqs = cache, kernels, len(ctx_len)
-        self.steps = steps
-        self.blocks = (2 * bs - 2 + steps) // bs  # own blocks per row: ctx % bs + steps slots
-        areas = cache.scratch(2 * self.num_seqs * width * self.blocks)
-        self.areas = areas.view(2, self.num_seqs * width, self.blocks)
+        blocks = (2 * bs - 2 + steps) // bs  # scratch blocks per row: ctx % bs + steps slots
+        self.cache, self.kernels, self.span = cache, kernels, blocks * bs
+        self.area_rows = len(ctx_len) * width
+        self.base = cache.scratch(2 * self.area_rows * blocks) * bs  # area 0, row 0
+        self.seq_ctx, self.offset = ctx_len, ctx_len % bs
+        # per sequence, a row's table less its scratch: context blocks, then the scratch
+        # block's index among the row's own (own_mask 1 there)
+        first = (ctx_len // bs)[:, None]
+        col = torch.arange(int(first.max()) + blocks)
+        own = col >= first
+        context = tables[:, col.clamp(max=tables.shape[1] - 1)]
+        self.table_base = torch.where(own, col - first, context)
+        self.own_mask = own.long()
         self.area = 0
-        self.seq_ctx, self.seq_tables = ctx_len, tables
-        self._assign(torch.arange(self.num_seqs).repeat_interleave(rows_per_seq))
-        first = self.seq_tables.gather(
-            1, (ctx_len // bs).clamp(max=tables.shape[1] - 1)[:, None])[:, 0]
-        cache.copy_blocks(first[self.seq], self.own[:, 0], kernels)  # the partial block
+        self._assign(torch.arange(len(ctx_len)).repeat_interleave(rows_per_seq))
+        partial = tables.gather(1, first.clamp(max=tables.shape[1] - 1))[:, 0] * bs
+        offsets = torch.arange(bs)
+        cache.copy_slots(partial[self.seq][:, None] + offsets,
+                         self.row_slot[:, None] + offsets, kernels)
 
     def _assign(self, seq: torch.Tensor) -> None:
-        """Rows of sequences `seq` ([n]) on the current area's first n rows of blocks."""
-        bs, n = self.cache.block_size, len(seq)
-        self.seq, self.ctx = seq, self.seq_ctx[seq]
-        self.own = self.areas[self.area, :n]
-        first = (self.ctx // bs)[:, None]
-        col = torch.arange(int(first.max()) + self.blocks)
-        context = self.seq_tables[seq][:, col.clamp(max=self.seq_tables.shape[1] - 1)]
-        own = self.own.gather(1, (col[None, :] - first).clamp(0, self.blocks - 1))
-        self.tables = torch.where(col[None, :] < first, context, own)
-        # each row's slot at every step of the round: [n, steps]
-        at = self.ctx[:, None] % bs + torch.arange(self.steps)
-        self.slots = self.own.gather(1, at // bs) * bs + at % bs
-        self.starts, self.ones = torch.arange(n), torch.ones(n, dtype=torch.long)
+        """Rows of sequences `seq` ([n]), in order, on the current area."""
+        n = len(seq)
+        self.seq, self.ctx, self.starts = seq, self.seq_ctx[seq], torch.arange(n)
+        self.row_slot = self.base + (self.area * self.area_rows + self.starts) * self.span
+        first_block = (self.row_slot // self.cache.block_size)[:, None]
+        self.tables = self.table_base[seq] + self.own_mask[seq] * first_block
+        self.slot0 = self.row_slot + self.offset[seq]  # the slot of position ctx
+        self.ones = torch.ones(n, dtype=torch.long)
 
     def layout(self, step: int) -> tuple[SeqLayout, torch.Tensor, torch.Tensor]:
         """Draft step `step` (0 = the round's first): each row one query token at position
         ctx + step -> (their layout, positions, cache slots)."""
-        positions = self.ctx + step
-        return (SeqLayout(self.starts, self.ones, positions, self.tables), positions,
-                self.slots[:, step])
+        return (SeqLayout(self.starts, self.ones, self.ctx + step, self.tables),
+                self.ctx + step, self.slot0 + step)
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Row i continues row rows[i] (of the same sequence): its path's keys become that
         row's."""
-        src = self.own[rows]
+        src = self.row_slot[rows]
         self.area = 1 - self.area
         self._assign(self.seq[rows])
-        self.cache.copy_blocks(src.reshape(-1), self.own.reshape(-1), self.kernels)
+        span = torch.arange(self.span)
+        self.cache.copy_slots(src[:, None] + span, self.row_slot[:, None] + span, self.kernels)
 
 
 @register_proposer("head")
@@ -210,9 +214,12 @@ class HeadProposer:
         self.cache = HeadKV(runner.kv_caches[0][0].shape[0], c.num_kv_heads, c.head_dim,
                             runner.dtype, self.block_size)
         self.kernels = self.ops.name == "kernels"
-        # the layer in one C++ call (as the target's own layers), where it is packed for it
-        self.stack = (stack_weights(self.head) if self.kernels
-                      and isinstance(self.paged, CpuPagedAttention) else None)
+        # the layer in one C++ call (as the target's own layers), where it is packed for it:
+        # per weight set, (most rows, its tensor arguments, plain bf16)
+        sets = (stack_weights(self.head) if self.kernels
+                and isinstance(self.paged, CpuPagedAttention) else None)
+        self.stack = None if sets is None else [
+            (rows, self._stack_tensors(w), plain) for rows, w, plain in sets]
         self.stack_long = (self.stack is not None and self.paged.bf16_prefill
                            and c.head_dim in (64, 128) and runner.dtype == torch.bfloat16)
         self.pending: dict[str, _Pending] = {}
@@ -437,17 +444,20 @@ class HeadProposer:
             h = head.layer(x, cos, sin,
                            lambda q, k, v: self.paged.forward(q, k, v, self.kv, meta, self.scale))
             return h, self._norm(h)
-        from kiln.models.llama import stack_attention_args
-
-        w, plain, layer, c = weights[1], weights[2], head.layer, head.c
-        scales = [[w[name][1]] if w[name][1].numel() else [] for name in w]
+        _, tensors, plain = weights
+        c, (k_cache, v_cache) = head.c, self.kv
         normed = torch.ops.kiln.llama_stack(
-            x, positions, [layer.input_layernorm], [w["qkv"][0]], [w["o"][0]],
-            [layer.post_attention_layernorm], [w["gate_up"][0]], [w["down"][0]], *scales,
-            head.norm, self.rotary.cos32, self.rotary.sin32, [self.kv[0]], [self.kv[1]],
-            *stack_attention_args(meta), self.scale, c.rms_norm_eps, c.num_heads,
-            c.num_kv_heads, c.head_dim, plain)
+            x, positions, *tensors, [k_cache], [v_cache], *stack_attention_args(meta),
+            self.scale, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, plain)
         return x, normed
+
+    def _stack_tensors(self, w: dict) -> tuple:
+        """`kiln::llama_stack`'s arguments from input_norm to sin32 for one weight set."""
+        layer = self.head.layer
+        scales = [[w[name][1]] if w[name][1].numel() else [] for name in w]
+        return ([layer.input_layernorm], [w["qkv"][0]], [w["o"][0]],
+                [layer.post_attention_layernorm], [w["gate_up"][0]], [w["down"][0]], *scales,
+                self.head.norm, self.rotary.cos32, self.rotary.sin32)
 
     def _stack_weights(self, rows: int, meta) -> tuple | None:
         """The layer's tensors for `kiln::llama_stack` at this many rows, or None (the ops
@@ -467,7 +477,10 @@ class HeadProposer:
         """The head's `width` likeliest tokens per row (from its final norm), best first, with
         their log-probabilities (over the draft vocabulary): ([B, width] float32, [B, width]
         target ids)."""
-        logp, index = self.lm(normed).float().log_softmax(dim=-1).topk(width, dim=-1)
+        logits = self.lm(normed)
+        if self.kernels:  # one C++ call (among equal logits the lower index first)
+            return torch.ops.kiln.top_logprobs(logits, width, self.head.draft_vocab)
+        logp, index = logits.float().log_softmax(dim=-1).topk(width, dim=-1)
         return logp, self.head.draft_vocab[index]
 
 
