@@ -342,11 +342,10 @@ def test_head_layer_in_one_call_is_its_ops(llama_path, head_path, rows):
         t[:64].normal_()
     hidden = proposer.head.c.hidden_size
     ctx_len, tables = torch.tensor([21]), torch.tensor([[2, 0, 1]])
-    layout, positions, slots = proposer._rows(ctx_len, tables, rows, rows, 2).layout(0)
+    draft_step = proposer._rows(ctx_len, tables, rows, rows, 2).layout(0)
     catch_up = SeqLayout(torch.tensor([0]), torch.tensor([rows]), torch.tensor([21 - rows]),
                          tables)
-    for layout, positions, slots in ((layout, positions, slots),
-                                     (catch_up, torch.arange(21 - rows, 21), None)):
+    for layout, positions, slots in (draft_step, (catch_up, torch.arange(21 - rows, 21), None)):
         meta = proposer.paged.build_metadata(layout, positions, proposer.block_size, slots)
         g = torch.randn(rows, hidden, dtype=torch.bfloat16)
         tokens = torch.randint(0, 256, (rows,))
