@@ -117,7 +117,7 @@ def test_draft_rows_attend_their_context_and_own_path(backend, width):
     are never written. One context ends inside a block, the other on a block boundary."""
     from kiln.runner import cpu_ops
     from kiln.runner.attention import get_attention_backend, slot_mapping_for
-    from kiln.spec.head import DraftRows, HeadKV
+    from kiln.spec.head_kv import DraftRows, HeadKV
 
     kernels = cpu_ops.load()
     if backend == "cpu" and not kernels:

@@ -5,10 +5,11 @@ tokens ahead from the target's features, unrolled the way it is used ("training-
 EAGLE-3): step 1 reads the target's features at every position p with token t_{p+1}; step j
 reads the head's own output of step j - 1 with token t_{p+j}, at position p + j - 1, and
 attends to step-1 keys at positions <= p plus its own round's keys of steps 2..j (exactly
-the draft rows' attention at inference, kiln.spec.head.DraftRows). At inference the head only ever continues the target's own
-greedy choices, so (by default) it learns only at positions where every token it is given
-equals the target's greedy choice before it ("greedy-consistent" positions): raw text then
-looks like the target's own output locally, and agreement there estimates acceptance.
+the draft rows' attention at inference, kiln.spec.head_kv.DraftRows). At inference the head
+only ever continues the target's own greedy choices, so (by default) it learns only at
+positions where every token it is given equals the target's greedy choice before it
+("greedy-consistent" positions): raw text then looks like the target's own output locally,
+and agreement there estimates acceptance.
 A curriculum trains step 1 alone for the first `first_step_share` of the optimizer steps (a
 third of the cost, and it learns fastest), then all steps together. Loss per step j
 (weighted 0.8^(j-1)): cross-entropy against the target's greedy tokens over the draft
