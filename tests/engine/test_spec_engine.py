@@ -928,13 +928,13 @@ def test_head_tree_is_its_beam_search(reference, llama_path, head_path):
     floor = math.log(proposer.min_prob)
     real, checked = proposer._tree_nodes, []
 
-    def path_scores(h, ctx_len, tables, depth, width, prune) -> dict[tuple, float]:
+    def path_scores(h, normed, ctx_len, tables, depth, width, prune) -> dict[tuple, float]:
         def top_after(path):  # the head along `path` alone, from the root's h
-            rows, x = proposer._rows(ctx_len[:1], tables[:1], 1, 1, depth), h[:1]
-            normed = proposer._norm(x)
+            rows = proposer._rows(ctx_len[:1], tables[:1], 1, 1, depth)
+            x, x_normed = h[:1], normed[:1]
             for j, t in enumerate(path):
-                x, normed = proposer._step(rows, x, torch.tensor([t]), j)
-            logp, tokens = proposer._top(normed, width)
+                x, x_normed = proposer._step(rows, x, torch.tensor([t]), j)
+            logp, tokens = proposer._top(x_normed, width)
             return zip(logp[0].tolist(), tokens[0].tolist(), strict=True)
 
         frontier, scores = [((), 0.0)], {}
@@ -950,15 +950,15 @@ def test_head_tree_is_its_beam_search(reference, llama_path, head_path):
         count = max(1, min(proposer.tree_size, sum(1 for s in scores.values() if s >= floor)))
         return set(sorted(scores, key=lambda p: (-scores[p], len(p)))[:count])
 
-    def tree_nodes(h, ctx_len, tables, depth, width):
-        out = real(h, ctx_len, tables, depth, width)
-        scores = path_scores(h, ctx_len, tables, depth, width, prune=True)
+    def tree_nodes(h, normed, ctx_len, tables, depth, width):
+        out = real(h, normed, ctx_len, tables, depth, width)
+        scores = path_scores(h, normed, ctx_len, tables, depth, width, prune=True)
         paths = []
         for score, _, token, parent in out[0]:
             paths.append((paths[parent] if parent >= 0 else ()) + (token,))
             assert score == pytest.approx(scores[paths[-1]], abs=1e-4)
         assert set(paths) == set(scores)  # the same nodes expanded
-        full = path_scores(h, ctx_len, tables, depth, width, prune=False)
+        full = path_scores(h, normed, ctx_len, tables, depth, width, prune=False)
         checked.append((depth, len(full) > len(scores)))
         assert kept(scores) == kept(full)
         return out

@@ -209,7 +209,8 @@ class HeadProposer:
 
     def _run(self, request_ids: list[str]) -> dict:
         """Run the head over these requests' pending positions, as one batch; returns per
-        request its last output h, its context length and its block-table row."""
+        request its last output h, that h's final norm, its context length and its
+        block-table row."""
         entries = [(rid, self.pending.pop(rid)) for rid in request_ids if rid in self.pending]
         entries = [(rid, p) for rid, p in entries if p.feats]
         if not entries:
@@ -225,9 +226,9 @@ class HeadProposer:
                            torch.tensor([p.start for _, p in entries]), rows)
         meta = self.paged.build_metadata(layout, positions, self.block_size)
         g = self.head.features(torch.cat([f for _, p in entries for f in p.feats]))
-        h, _ = self._forward(g, tokens, positions, meta)
+        h, normed = self._forward(g, tokens, positions, meta)
         ends = (torch.cumsum(lens, 0) - 1).tolist()
-        return {rid: (h[end], p.end, row)
+        return {rid: (h[end], normed[end], p.end, row)
                 for (rid, p), end, row in zip(entries, ends, rows, strict=True)}
 
     # -- drafting -------------------------------------------------------------------------
@@ -239,15 +240,16 @@ class HeadProposer:
             return out
         rows = [last[wanted[i].request.request_id] for i in live]
         h = torch.stack([r[0] for r in rows])
-        ctx_len = torch.tensor([r[1] for r in rows])
-        tables = torch.stack([r[2] for r in rows])
+        normed = torch.stack([r[1] for r in rows])
+        ctx_len = torch.tensor([r[2] for r in rows])
+        tables = torch.stack([r[3] for r in rows])
         k = max(wanted[i].max_drafts for i in live)
         width = max(wanted[i].tree_width for i in live)
         if width > 1:
-            for i, tree in zip(live, self._tree(h, ctx_len, tables, k, width), strict=True):
+            for i, tree in zip(live, self._tree(h, normed, ctx_len, tables, k, width), strict=True):
                 out[i] = tree
             return out
-        token = self._pick(self._norm(h))
+        token = self._pick(normed)
         drafts = [token]
         if k > 1:
             rows = self._rows(ctx_len, tables, 1, 1, k - 1)
@@ -260,11 +262,12 @@ class HeadProposer:
             out[i] = Draft(table[b][:wanted[i].max_drafts])
         return out
 
-    def _tree(self, h, ctx_len, tables, depth: int, width: int) -> list[Draft]:
+    def _tree(self, h, normed, ctx_len, tables, depth: int, width: int) -> list[Draft]:
         return [_best_nodes(n, tree_node_count(n, depth * width, self.min_prob, self.tree_size))
-                for n in self._tree_nodes(h, ctx_len, tables, depth, width)]
+                for n in self._tree_nodes(h, normed, ctx_len, tables, depth, width)]
 
-    def _tree_nodes(self, h, ctx_len, tables, depth: int, width: int) -> list[list[tuple]]:
+    def _tree_nodes(self, h, normed, ctx_len, tables, depth: int,
+                    width: int) -> list[list[tuple]]:
         """EAGLE-2's dynamic draft tree, per sequence: a beam search `width` rows wide over
         `depth` draft steps (each step expands the `width` likeliest paths so far by their
         `width` likeliest next tokens), then the depth * width likeliest of all expanded
@@ -278,7 +281,7 @@ class HeadProposer:
         P >= 0.012 on prose: about 4 of 8 rows at the second draft step, 5 at the third;
         at 4 rows or fewer its int8 weights serve, so its probabilities move slightly)."""
         b = len(h)
-        logp, token = self._top(self._norm(h), width)  # [B, W]: the first drafts
+        logp, token = self._top(normed, width)  # [B, W]: the first drafts
         # per sequence: nodes (log-likelihood, depth, token, parent), the beams' node ids
         logps = logp.tolist()
         nodes = [[(s, 1, t, -1) for s, t in zip(ls, ts, strict=True)]
@@ -348,12 +351,12 @@ class HeadProposer:
         one (rotary from the bf16 tables rather than fp32 ones, so not the same bits)."""
         head = self.head
         x = head.fc(torch.cat((self.embed(tokens), g.to(self.embed.weight.dtype)), dim=-1))
-        weights = self._stack_weights(len(x), meta)
+        weights = self._stack_set(len(x), meta)
         if weights is None:
             cos, sin = self.rotary.cos[positions][:, None], self.rotary.sin[positions][:, None]
             h = head.layer(x, cos, sin,
                            lambda q, k, v: self.paged.forward(q, k, v, self.kv, meta, self.scale))
-            return h, self._norm(h)
+            return h, self.ops.rms_norm(h, head.norm, head.c.rms_norm_eps)
         _, tensors, plain = weights
         c, (k_cache, v_cache) = head.c, self.kv
         normed = torch.ops.kiln.llama_stack(
@@ -369,15 +372,12 @@ class HeadProposer:
                 [layer.post_attention_layernorm], [w["gate_up"][0]], [w["down"][0]], *scales,
                 self.head.norm, self.rotary.cos32, self.rotary.sin32)
 
-    def _stack_weights(self, rows: int, meta) -> tuple | None:
+    def _stack_set(self, rows: int, meta) -> tuple | None:
         """The layer's tensors for `kiln::llama_stack` at this many rows, or None (the ops
         one by one)."""
         if self.stack is None or (meta.long is not None and not self.stack_long):
             return None
         return next((entry for entry in self.stack if rows <= entry[0]), None)
-
-    def _norm(self, h: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(h, self.head.norm, self.head.c.rms_norm_eps)
 
     def _pick(self, normed: torch.Tensor) -> torch.Tensor:
         """The head's choice per row ([B]), from its final norm."""
