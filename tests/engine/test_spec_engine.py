@@ -213,7 +213,8 @@ def test_ngram_first_gives_a_match_length_lookup_misses_on_to_the_model(
     """ngram_first keeps lookup's acceptance by match length: a match whose length has paid
     less than the model's drafts promise goes to the model (here a model that promises k = 3
     accepted: every length but the ones lookup got wholly right), one that promises nothing
-    leaves every match with lookup. Adaptive speculation weighs the two sources' step costs
+    leaves every match with lookup. A request whose own lookup steps missed may send a
+    length not yet tried to the model too. Adaptive speculation weighs the two sources' step costs
     too (here unknown); without it (k fixed) acceptance alone decides, costs known or not.
     Output unchanged either way."""
 
@@ -229,17 +230,59 @@ def test_ngram_first_gives_a_match_length_lookup_misses_on_to_the_model(
     else:  # costs that favour lookup 10:1 are not weighed
         spec.adaptive.cost, spec.lookup.cost = (lambda batch, k: 1.0), (lambda batch, k: 0.1)
     routed, inner = [], spec._lookup_pays
-    spec._lookup_pays = lambda batch, n, *rest: (routed.append((n, inner(batch, n, *rest)))
-                                                 or routed[-1][1])
+
+    def pays(batch, n, request_id, *rest):
+        own = spec._lookup_of.get(request_id)  # the request's own lookup steps so far
+        routed.append((n, own is not None and own[1] < own[2], inner(batch, n, request_id,
+                                                                     *rest)))
+        return routed[-1][2]
+
+    spec._lookup_pays = pays
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
     assert spec._by_match and all(v > 0 and 0 <= a <= 3 * v for v, a in spec._by_match.values())
-    to_model = {n for n, pays in routed if not pays}
+    to_model = [(n, own_missed) for n, own_missed, to_lookup in routed if not to_lookup]
     if model_promises == 1.0:
         assert not to_model  # lookup's worst prior (1 + 0 accepted) still ties the model
-    else:
-        assert to_model and all(spec._by_match[n][1] < 3 * spec._by_match[n][0]
-                                for n in to_model)
+    else:  # its length missed, or the request's own lookup steps did
+        assert to_model and all(own_missed or (n in spec._by_match and spec._by_match[n][1]
+                                               < 3 * spec._by_match[n][0])
+                                for n, own_missed in to_model)
     assert not spec._match_of and llm.engine.kv.stats().used_blocks == 0
+
+
+def test_a_request_whose_lookup_steps_miss_leaves_a_record_learned_elsewhere(
+        reference, llama_path, head_path):
+    """Lookup's record by match length is learned over all traffic: here it says every
+    length's drafts were wholly right over 1000 steps (as code traffic's long matches are),
+    which no step here can outweigh. A request's own lookup steps scale that record: each
+    request's first match goes to lookup (the record alone), and a request whose lookup
+    drafts then miss sends its later matches to the model, with the record still at k
+    accepted: alone, it would still send every match to lookup. Output unchanged; finished
+    requests leave no record."""
+    _, ps, params, expected = reference
+    llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
+              speculative_config=dataclasses.replace(FORCED, ngram_first=True))
+    spec = llm.engine.speculator
+    spec.adaptive.choose = spec.lookup.choose = lambda batch, ids=(), left=None: 3
+    spec.adaptive.expected_tokens = lambda k, ids=(): 2.5
+    spec._by_match.update({n: [1000.0, 3000.0] for n in range(1, 64)})
+    routed, inner = [], spec._lookup_pays
+
+    def pays(batch, n, request_id, *rest):
+        own = list(spec._lookup_of.get(request_id, (0.0, 0.0, 0.0)))
+        routed.append((request_id, own, inner(batch, n, request_id, *rest)))
+        return routed[-1][2]
+
+    spec._lookup_pays = pays
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    first = {}
+    for rid, own, to_lookup in routed:
+        first.setdefault(rid, (own, to_lookup))
+    assert all(own[0] == 0 and to_lookup for own, to_lookup in first.values())
+    to_model = [own for _, own, to_lookup in routed if not to_lookup]
+    assert to_model and all(steps > 0 and made < promised for steps, made, promised in to_model)
+    assert all(spec._lookup_expected(n) > 2.5 for n in spec._by_match)  # alone: lookup
+    assert not spec._lookup_of and not spec._match_of
 
 
 def test_a_match_stays_with_lookup_in_a_model_step_only_where_it_promises_as_much(
@@ -264,7 +307,8 @@ def test_a_match_stays_with_lookup_in_a_model_step_only_where_it_promises_as_muc
             for w, source in zip(wanted, sources, strict=True):
                 n = found[w.request.request_id]
                 if n:
-                    (kept if source is spec.lookup else passed).append(spec._lookup_expected(n))
+                    (kept if source is spec.lookup else passed).append(
+                        spec._lookup_expected(n, w.request.request_id))
         return wanted, drafts, sources, planned
 
     spec._propose_lookup_first = propose

@@ -92,6 +92,11 @@ class Speculator:
         # are right far less often than four-token ones, and on prose less than a head
         self._by_match: dict[int, list[float]] = {}
         self._match_of: dict[str, int] = {}  # request -> its lookup drafts' match length
+        # ...and each request's own [verifications, accepted drafts, what `_by_match`
+        # expected of them] (decayed like AdaptiveK's request records): the record by length
+        # is learned over all traffic, so after a change of traffic (code, then prose) it
+        # promises what the old traffic's matches made; a request's own lookup steps scale it
+        self._lookup_of: dict[str, list[float]] = {}
         # each request's tokens, for lookup (n-gram's own when it is the proposer)
         self._indexes: RequestIndexes = getattr(self.proposer, "indexes", RequestIndexes())
 
@@ -132,6 +137,13 @@ class Speculator:
         if finished:
             self.proposer.release(finished)
         self._indexes.release(finished + sched.finished_ids)  # aborted ones too
+        for rid in sched.finished_ids:  # aborted ones' records (finished ones are gone)
+            self._asked.pop(rid, None)
+            self._match_of.pop(rid, None)
+            self._lookup_of.pop(rid, None)
+        if sched.finished_ids:
+            for controller in self._controllers:
+                controller.forget(sched.finished_ids)
         self._last = (batch, *planned, time.perf_counter() - started, tree)
 
     def _tokens_left(self, request: Request) -> int:
@@ -164,7 +176,7 @@ class Speculator:
             # their cheaper lookup-only steps cost a tenth of the speed-up; measured against
             # the smaller k_model the controller picks there, the gain was lost again;
             # BENCHMARKS.md, "Routing in steps the head drafts anyway")
-            pays = [p and self._lookup_expected(n) >= model.expected_tokens(
+            pays = [p and self._lookup_expected(n, r.request_id) >= model.expected_tokens(
                         self.config.num_speculative_tokens, [r.request_id])
                     for r, (_, n), p in zip(candidates, found, pays, strict=True)]
             rest = [r for r, p in zip(candidates, pays, strict=True) if not p]
@@ -243,7 +255,7 @@ class Speculator:
         A length not yet tried goes to lookup (its prior is k accepted); without adaptive
         speculation (k fixed, costs not weighed) the more often right source drafts."""
         k = self.config.num_speculative_tokens
-        expected = self._lookup_expected(match_length)
+        expected = self._lookup_expected(match_length, request_id)
         promised = model.expected_tokens(k, [request_id])
         if model.enabled:
             lookup_cost, model_cost = lookup.cost(batch, k), model.cost(batch, k)
@@ -251,11 +263,19 @@ class Speculator:
                 return expected / lookup_cost >= promised / model_cost
         return expected >= promised
 
-    def _lookup_expected(self, match_length: int) -> float:
+    def _lookup_expected(self, match_length: int, request_id: str | None = None) -> float:
         """Tokens per step lookup's drafts from a match of this length have made (1 +
-        accepted drafts), a length not yet tried counting as k accepted."""
+        accepted drafts), a length not yet tried counting as k accepted; for a request,
+        scaled by what its own lookup steps made of what the record expected of them (the
+        record's scale, worth `request_prior` of its steps, as the prior)."""
         verifies, accepted = self._by_match.get(match_length, (0.0, 0.0))
-        return 1.0 + (accepted + self.config.num_speculative_tokens) / (verifies + 1.0)
+        expected = (accepted + self.config.num_speculative_tokens) / (verifies + 1.0)
+        own = self._lookup_of.get(request_id) if request_id is not None else None
+        if own is not None and own[0] > 0:
+            steps, made, promised = own
+            prior = self.lookup.request_prior * promised / steps  # in accepted drafts
+            expected *= (made + prior) / (promised + prior)
+        return 1.0 + expected
 
     def _candidates(self, sched: SchedulerOutput) -> list[Request]:
         out = []
@@ -301,6 +321,10 @@ class Speculator:
                 out.draft_source = self._source[id(asked[2])]
             if (n := self._match_of.pop(out.request_id, 0)) and (out.new_token_ids
                                                                  or out.num_draft_tokens):
+                promised = self._lookup_expected(n) - 1.0  # before this step counts
+                own = self._lookup_of.setdefault(out.request_id, [0.0, 0.0, 0.0])
+                own[:] = [c * self.lookup.request_decay + x for c, x in
+                          zip(own, (1.0, out.num_accepted_tokens, promised), strict=True)]
                 record = self._by_match.setdefault(n, [0.0, 0.0])
                 decay = self.lookup.acceptance_decay
                 record[0] = record[0] * decay + 1.0
@@ -314,6 +338,7 @@ class Speculator:
         for rid in finished:
             self._asked.pop(rid, None)
             self._match_of.pop(rid, None)
+            self._lookup_of.pop(rid, None)
         if finished:
             for controller in self._controllers:
                 controller.forget(finished)
