@@ -772,7 +772,8 @@ def test_head_trees_are_lossless(ngram_first, reference, llama_path, head_path, 
               speculator=head_path, speculative_config=SpeculativeConfig(
                   adaptive=False, tree_width=2, tree_min_prob=0.0, ngram_first=ngram_first,
                   tree_max_batch=2))
-    if ngram_first:  # one-token matches go to the head (and join its tree), longer to lookup
+    if ngram_first:  # chains: one-token matches to the head, longer to lookup (trees with k
+        # fixed: every match joins the head's tree)
         llm.engine.speculator._lookup_pays = lambda batch, n, *controllers: n > 1
     shapes = []
     real_shape = llm.engine.speculator._tree_step
@@ -788,6 +789,37 @@ def test_head_trees_are_lossless(ngram_first, reference, llama_path, head_path, 
     assert not ngram_first or any(t.count(-1) > 2 for t in trees)  # lookup's own first draft
     # trees while at most tree_max_batch sequences decode, chains in the full batch
     assert {(b > 2, tree) for b, tree in shapes if b} == {(True, None), (False, True)}
+
+
+def test_with_k_fixed_a_match_joins_the_head_tree_however_lookup_has_paid(
+        reference, llama_path, head_path):
+    """Without adaptive speculation (costs not weighed) the more often right source drafts:
+    in a tree step that is the head's tree with the match's first continuation in it, so
+    every match joins it even where lookup's record says lookup alone pays (here always);
+    in chain steps (more sequences than tree_max_batch) the record still routes. Output
+    unchanged."""
+    _, ps, params, expected = reference
+    llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
+              speculative_config=SpeculativeConfig(adaptive=False, tree_width=2,
+                                                   ngram_first=True, tree_max_batch=2))
+    spec = llm.engine.speculator
+    spec._lookup_pays = lambda batch, n, *rest: True
+    steps, inner = [], spec._propose_lookup_first
+
+    def propose(sched, batch, candidates, width, *rest):
+        matched = sum(bool(spec._lookup(r, width)[0].token_ids) for r in candidates)
+        wanted, drafts, sources, planned = inner(sched, batch, candidates, width, *rest)
+        steps.append((width, matched, sum(s is not spec.adaptive for s in sources)))
+        return wanted, drafts, sources, planned
+
+    spec._propose_lookup_first = propose
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected  # trees late, chains
+    one = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(ps, params, strict=True)]
+    assert ids(one) == expected  # trees throughout
+    trees = [(matched, alone) for width, matched, alone in steps if width > 1]
+    chains = [(matched, alone) for width, matched, alone in steps if width == 1]
+    assert any(matched for matched, _ in trees) and not any(alone for _, alone in trees)
+    assert any(alone for _, alone in chains)
 
 
 def test_a_head_drafts_trees_with_lookup_joined_by_default(reference, llama_path, head_path,

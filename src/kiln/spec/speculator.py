@@ -165,7 +165,15 @@ class Speculator:
         controller, and (controller, k) the step's cost is booked to: the proposer's when it
         drafted (its time is in the step), else lookup's."""
         found = [self._lookup(r, width) for r in candidates]
-        pays = [bool(f.token_ids) and self._lookup_pays(batch, n, r.request_id, model, lookup)
+        # without adaptive speculation (k fixed, costs not weighed) the more often right
+        # source drafts, and in a tree step that is the model's tree: a match passed over
+        # joins it, its first continuation whole (`_merge`), so the tree is right wherever
+        # lookup's chain is and often where it is not (k = 3 forced, 32 prompts: prose 2.02
+        # -> 2.07 accepted at 1.5% less speed, code 2.14 -> 2.16 at the same speed;
+        # BENCHMARKS.md, "Lookup's record, scaled per request")
+        weigh = width == 1 or model.enabled
+        pays = [bool(f.token_ids) and weigh
+                and self._lookup_pays(batch, n, r.request_id, model, lookup)
                 for r, (f, n) in zip(candidates, found, strict=True)]
         rest = [r for r, p in zip(candidates, pays, strict=True) if not p]
         k_model = model.choose(batch, [r.request_id for r in rest], left) if rest else 0
