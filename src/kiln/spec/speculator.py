@@ -169,7 +169,7 @@ class Speculator:
         # source drafts, and in a tree step that is the model's tree: a match passed over
         # joins it, its first continuation whole (`_merge`), so the tree is right wherever
         # lookup's chain is and often where it is not (k = 3 forced, 32 prompts: prose 2.02
-        # -> 2.07 accepted at 1.5% less speed, code 2.14 -> 2.16 at the same speed;
+        # -> 2.07 accepted at 2% less speed, code 2.14 -> 2.16 at the same speed;
         # BENCHMARKS.md, "Lookup's record, scaled per request")
         weigh = width == 1 or model.enabled
         pays = [bool(f.token_ids) and weigh
