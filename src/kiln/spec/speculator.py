@@ -137,13 +137,7 @@ class Speculator:
         if finished:
             self.proposer.release(finished)
         self._indexes.release(finished + sched.finished_ids)  # aborted ones too
-        for rid in sched.finished_ids:  # aborted ones' records (finished ones are gone)
-            self._asked.pop(rid, None)
-            self._match_of.pop(rid, None)
-            self._lookup_of.pop(rid, None)
-        if sched.finished_ids:
-            for controller in self._controllers:
-                controller.forget(sched.finished_ids)
+        self._forget(sched.finished_ids)  # aborted ones' records (finished ones are gone)
         self._last = (batch, *planned, time.perf_counter() - started, tree)
 
     def _tokens_left(self, request: Request) -> int:
@@ -343,13 +337,7 @@ class Speculator:
                 self.stats.num_verify_steps += 1
             if out.finished:
                 finished.append(out.request_id)
-        for rid in finished:
-            self._asked.pop(rid, None)
-            self._match_of.pop(rid, None)
-            self._lookup_of.pop(rid, None)
-        if finished:
-            for controller in self._controllers:
-                controller.forget(finished)
+        self._forget(finished)
         if self._last is not None and _decode_only(sched, self._last[0]):
             batch, controller, k, propose_seconds, tree = self._last
             seconds = step_seconds + propose_seconds
@@ -360,6 +348,17 @@ class Speculator:
                     made = sum(len(out.new_token_ids) for out in outputs)
                     self.shape.observe(tree, made / batch, seconds / batch / base)
         return finished
+
+
+    def _forget(self, request_ids: list[str]) -> None:
+        """Drop ended requests' records (the controllers' too)."""
+        for rid in request_ids:
+            self._asked.pop(rid, None)
+            self._match_of.pop(rid, None)
+            self._lookup_of.pop(rid, None)
+        if request_ids:
+            for controller in self._controllers:
+                controller.forget(request_ids)
 
 
 def _decode_only(sched: SchedulerOutput, batch: int) -> bool:
