@@ -31,8 +31,8 @@ from transformers import AutoTokenizer  # noqa: F401  (import before engines sta
 from tree_selection import K, accepted, kiln_rule, lookup_draft, record
 
 from kiln.bench.result import cpu_summary
-from kiln.spec import data
-from kiln.spec.proposer import Draft, DraftTrie
+from kiln.speculative.proposer import Draft, DraftTrie
+from kiln.speculative.training import data
 
 SEP = 0xFFFF  # between texts (token ids of the default model are below 2 ** 16)
 KEY = 8  # longest suffix looked up: the sort key is a text's next 8 tokens

@@ -42,10 +42,10 @@ from transformers import AutoTokenizer  # noqa: F401  (import before engines sta
 from kiln import LLM
 from kiln.config import CacheConfig, ModelConfig, ParallelConfig
 from kiln.runner.model_runner import ModelRunner
-from kiln.spec import data
-from kiln.spec.eagle import EagleHead, load_head, save_head
-from kiln.spec.resolve import speculator_path
-from kiln.spec.train import HeadTrainer, TrainConfig, _num_steps, split_sequences
+from kiln.speculative.head.model import EagleHead, load_head, save_head
+from kiln.speculative.resolve import speculator_path
+from kiln.speculative.training import data
+from kiln.speculative.training.train import HeadTrainer, TrainConfig, _num_steps, split_sequences
 
 
 def _runner(model_path: str, threads: int | None) -> ModelRunner:
@@ -57,7 +57,7 @@ def continue_openings(domain: str, openings: int, prompt_tokens: int, answer_tok
                       seed: int, threads: int | None) -> tuple[list[list[int]], str]:
     """`openings` windows of the domain's training texts at seeded offsets, each continued
     greedily by the default model for `answer_tokens`: the preset's self-distillation
-    (`kiln.spec.data.continue_openings` on the texts shuffled by the same seed); and the
+    (`kiln.speculative.training.data.continue_openings` on the texts shuffled by the same seed); and the
     model's path."""
     llm = LLM(num_threads=threads, max_num_seqs=128, max_num_batched_tokens=4096,
               repetition_guard="off")

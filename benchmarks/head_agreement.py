@@ -8,7 +8,7 @@ windows, drawn from the same pages as the rest. This measures the head on the be
 prompts instead (`benchmarks/speculative.py`: held-out pages, never trained on) and, for
 comparison, on fresh windows of training pages: each prompt is continued greedily by the
 target, the target's features are recorded over it, and the head runs in fp32 through the
-training code's unrolled chain (`kiln.spec.train.unroll`), so the figures are the model's,
+training code's unrolled chain (`kiln.speculative.training.train.unroll`), so the figures are the model's,
 not the engine's. Reported over the continuation and per `--bucket` positions of it,
 per draft step j = 1..k: agreement with the target's greedy token
 at the continuation's positions; drafts accepted per verify step if every position verified
@@ -33,10 +33,10 @@ from kiln.bench.result import cpu_summary
 from kiln.config import CacheConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from kiln.models.layers.rotary import RotaryEmbedding
 from kiln.runner.model_runner import ModelRunner
-from kiln.spec import data
-from kiln.spec.eagle import lm_head_rows, load_head
-from kiln.spec.resolve import speculator_path
-from kiln.spec.train import unroll
+from kiln.speculative.head.model import lm_head_rows, load_head
+from kiln.speculative.resolve import speculator_path
+from kiln.speculative.training import data
+from kiln.speculative.training.train import unroll
 
 
 def agreement(runner, head, sequences: list[list[int]], prompt_tokens: int, steps: int,

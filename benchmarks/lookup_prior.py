@@ -24,8 +24,8 @@ from transformers import AutoTokenizer  # noqa: F401  (import before engines sta
 
 from kiln import LLM, SamplingParams
 from kiln.bench.result import cpu_summary
-from kiln.spec.data import code_prompts, prose_prompts, prose_source
-from kiln.spec.ngram import TokenIndex
+from kiln.speculative.ngram import TokenIndex
+from kiln.speculative.training.data import code_prompts, prose_prompts, prose_source
 
 
 def replay(tokens: list[int], start: int, k: int, n_min: int, n_max: int) -> list[int]:

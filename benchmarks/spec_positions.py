@@ -33,18 +33,18 @@ from kiln import LLM, SamplingParams
 from kiln.config import CacheConfig, ModelConfig, ParallelConfig
 from kiln.engine.core import resolve_model_path
 from kiln.runner.model_runner import ModelRunner
-from kiln.spec.data import TargetRecord, prose_source, record_target
-from kiln.spec.eagle import lm_head_rows, load_head
-from kiln.spec.ngram import propose_ngram
-from kiln.spec.resolve import speculator_path
-from kiln.spec.train import unroll
+from kiln.speculative.head.model import lm_head_rows, load_head
+from kiln.speculative.ngram import propose_ngram
+from kiln.speculative.resolve import speculator_path
+from kiln.speculative.training.data import TargetRecord, prose_source, record_target
+from kiln.speculative.training.train import unroll
 
 K = 3
 CONFIDENT = (1.0, 1.5, 2.0, 2.5)
 
 
 def continuations(domain: str, new_tokens: int, prompt_tokens: int) -> torch.Tensor:
-    from kiln.spec.data import code_prompts, prose_prompts
+    from kiln.speculative.training.data import code_prompts, prose_prompts
 
     llm = LLM(max_model_len=1024, num_threads=2)
     pick = code_prompts if domain == "code" else prose_prompts

@@ -57,8 +57,8 @@ from kiln.bench.metrics import median_interval
 from kiln.bench.result import cpu_summary
 from kiln.config import MAX_TREE_DRAFTS, MAX_TREE_WIDTH, SpeculativeConfig
 from kiln.engine.core import EngineRequest
-from kiln.spec.data import code_prompts, prose_prompts, prose_source
-from kiln.spec.resolve import speculator_path, speculators_home
+from kiln.speculative.resolve import speculator_path, speculators_home
+from kiln.speculative.training.data import code_prompts, prose_prompts, prose_source
 
 CONFIGS = {"off": None, "off-again": None, "ngram": "ngram", "draft": "code-draft",
            "code-head": "code-head",

@@ -38,7 +38,7 @@ from kiln.engine.core import EngineRequest
 from kiln.sampling_params import RepetitionGuardParams, StructuredOutputsParams
 from kiln.structured.compiler import GrammarCompiler
 from kiln.structured.gateway import make_tool
-from kiln.structured.spec import GrammarSpec
+from kiln.structured.grammar_spec import GrammarSpec
 from kiln.structured.tools import FORMATS, call_grammar
 from kiln.structured.vocab import tokenizer_info
 
@@ -99,10 +99,10 @@ class StructuredTimer:
     def __init__(self):
         import kiln.runner.sampler as sampler
         import kiln.structured.bitmask as bitmask
-        import kiln.structured.engine as engine
+        import kiln.structured.hooks as engine
         self.seconds = 0.0
         self._patches = [(bitmask.GrammarRows, "fill"), (sampler, "apply_token_bitmask"),
-                         (engine.StructuredEngine, "check_token")]
+                         (engine.StructuredHooks, "check_token")]
         for owner, name in self._patches:
             setattr(owner, name, self._timed(getattr(owner, name)))
 

@@ -5,7 +5,7 @@
 
 After a step's forward pass the runner turns the final hidden states into tokens: the LM head
 over the sampling rows, the sampler and the verification walk, and for a tree the move of the
-accepted path's KV. With `SpeculativeConfig.verify_shortlist` (kiln.spec.shortlist) a greedy
+accepted path's KV. With `SpeculativeConfig.verify_shortlist` (kiln.speculative.shortlist) a greedy
 verify step of 9 rows or more scores the whole vocabulary only on the rows the walk visits.
 This decodes the same held-out prompts (`benchmarks/speculative.py`'s) with each
 configuration twice in one process, shortlist on and off (`NAME` and `NAME/full`),
@@ -26,7 +26,7 @@ from pathlib import Path
 from speculative import FULL, build, decode
 
 from kiln.bench.result import cpu_summary
-from kiln.spec.data import code_prompts, prose_prompts
+from kiln.speculative.training.data import code_prompts, prose_prompts
 
 
 def instrument(llm, times: dict[int, list[float]]) -> None:

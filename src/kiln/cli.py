@@ -19,7 +19,7 @@ COMMAND_MODULES = {
     "worker": "kiln.cluster.cli",
     "bench": "kiln.bench.cli",
     "quantize": "kiln.quant.cli",
-    "train-speculator": "kiln.spec.cli",
+    "train-speculator": "kiln.speculative.training.cli",
     "plan": "kiln.plan.cli",
 }
 

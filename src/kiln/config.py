@@ -173,7 +173,7 @@ def _positive(config: object, *names: str) -> None:
             raise ValueError(f"{name} must be > 0, got {value}")
 
 
-# -- speculative decoding (kiln.spec) ---------------------------------------------------------
+# -- speculative decoding (kiln.speculative) ---------------------------------------------------------
 
 
 MAX_TREE_WIDTH = 8
@@ -213,7 +213,7 @@ class SpeculativeConfig:
     speculator_int8: bool = True  # head/draft: int8 weight-only linears, decode-sized inputs
     # head/draft with a draft vocabulary: greedy verify steps score the whole vocabulary only
     # on the rows the walk visits, the draft vocabulary guessing the others (lossless:
-    # kiln.spec.shortlist; BENCHMARKS.md, "The LM head where the walk goes")
+    # kiln.speculative.shortlist; BENCHMARKS.md, "The LM head where the walk goes")
     verify_shortlist: bool = True
     # draft trees: up to this many alternative continuations per request and step, verified
     # in one forward (n-gram: several earlier occurrences' continuations, merged by common

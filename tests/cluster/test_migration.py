@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kiln.cluster.client import OutputStream
+from kiln.cluster.engine_client import OutputStream
 from kiln.cluster.migration import (
     Leg,
     Recovery,
@@ -11,8 +11,8 @@ from kiln.cluster.migration import (
     prefill_request,
     without_finish,
 )
+from kiln.engine.contract import EngineCoreOutput
 from kiln.engine.core import EngineRequest
-from kiln.engine.outputs import EngineCoreOutput
 from kiln.sampling_params import SamplingParams
 
 
@@ -38,7 +38,7 @@ def test_partial_prompt_logprobs_cannot_be_resumed():
     t = tracked(prompt_logprobs=1)
     t.absorb(EngineCoreOutput("r", [], prompt_logprobs=[]))
     assert plan_recovery(t, True, 3) is Recovery.RETRY  # an empty list delivered nothing
-    from kiln.engine.outputs import TokenLogprobs
+    from kiln.engine.contract import TokenLogprobs
     t.absorb(EngineCoreOutput("r", [], prompt_logprobs=[TokenLogprobs(2, -1.0, 1, [], [])]))
     assert plan_recovery(t, True, 3) is Recovery.FAIL
 

@@ -21,7 +21,7 @@ def test_step_shape_splits_prefill_from_decode():
     sched.add_request(Request("a", list(range(6)), params, arrival_time=0.0))
     first = sched.schedule()
     assert step_shape(first) == StepShape(6, 6 * 3.0, 0, 0)
-    from kiln.engine.outputs import RunnerOutput
+    from kiln.engine.contract import RunnerOutput
     sched.update(first, RunnerOutput([[7]]))
     sched.add_request(Request("b", list(range(100, 120)), params, arrival_time=1.0))
     second = sched.schedule()  # a decodes (context 7), b prefills its first 9 tokens

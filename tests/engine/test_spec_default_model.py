@@ -8,7 +8,7 @@ from transformers import AutoTokenizer  # noqa: F401  (see below)
 
 from kiln import LLM, SamplingParams
 from kiln.config import SpeculativeConfig
-from kiln.spec.data import code_prompts, prose_prompts
+from kiln.speculative.training.data import code_prompts, prose_prompts
 
 # transformers is imported here, before any engine starts: kiln.structured loads the vocabulary
 # in a background thread while LLM loads the tokenizer, and transformers' lazy imports are not
@@ -30,7 +30,7 @@ def test_default_model_greedy_is_identical_with_a_head(tmp_path):
     from kiln.models.default import default_model_path
     from kiln.models.loader import read_hf_config
     from kiln.models.registry import resolve_architecture
-    from kiln.spec.eagle import EagleHead, HeadConfig, save_head
+    from kiln.speculative.head.model import EagleHead, HeadConfig, save_head
 
     path = str(default_model_path())
     _, arch = resolve_architecture(read_hf_config(path))
@@ -52,14 +52,14 @@ def test_default_model_greedy_is_identical_with_a_head(tmp_path):
     ("prose-head", prose_prompts, PROSE_FLOOR),
 ])
 def test_a_shipped_head_is_lossless_and_accepted_on_its_own_held_out_domain(name, prompts, floor):
-    """The heads shipped in the package (kiln/spec/presets/NAME, trained by `kiln
+    """The heads shipped in the package (kiln/speculative/presets/NAME, trained by `kiln
     train-speculator --preset NAME`) load on the default model, keep greedy output
     token-identical (up to bf16 ties), and are accepted on text of their domain they never
     trained on: two held-out stdlib files for the code head (0.91 drafts accepted per verify
     step of 3 when it was committed), two held-out windows of prose for the prose head (see
     PROSE_FLOOR)."""
     from kiln.models.default import default_model_path
-    from kiln.spec.resolve import SHIPPED
+    from kiln.speculative.resolve import SHIPPED
 
     path, head = str(default_model_path()), SHIPPED / name
     assert (head / "speculator.json").is_file(), f"the package ships no {name}"

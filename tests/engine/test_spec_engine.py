@@ -22,7 +22,7 @@ from kiln.config import (
     SpeculativeConfig,
 )
 from kiln.engine.scheduler import tree_depths
-from kiln.spec.proposer import Draft, DraftTrie, register_proposer
+from kiln.speculative.proposer import Draft, DraftTrie, register_proposer
 
 # always k = 3 (every path gets exercised), in chains, every proposer alone (a head's default
 # is trees with lookup joined: test_a_head_drafts_trees_with_lookup_joined_by_default)
@@ -58,7 +58,7 @@ def head_path(llama_path, tmp_path_factory) -> str:
     """An untrained head: random drafts, so rejection and rollback happen all the time."""
     from kiln.models.loader import read_hf_config
     from kiln.models.registry import resolve_architecture
-    from kiln.spec.eagle import EagleHead, HeadConfig, save_head
+    from kiln.speculative.head.model import EagleHead, HeadConfig, save_head
 
     _, arch = resolve_architecture(read_hf_config(llama_path))
     torch.manual_seed(0)
@@ -321,7 +321,7 @@ def test_speculator_weights_are_int8_unless_asked_otherwise(llama_path, draft_pa
                                                            head_path):
     """speculator_int8 (default): the draft model loads int8 weight-only, a head's linears
     keep int8 copies for decode-sized inputs; False keeps the stored weights."""
-    from kiln.spec.eagle import SmallBatchInt8, int8_gemv_available
+    from kiln.speculative.head.model import SmallBatchInt8, int8_gemv_available
 
     if not int8_gemv_available():
         pytest.skip("kiln's C++ kernels did not build here")  # then nothing is int8

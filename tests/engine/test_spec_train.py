@@ -9,7 +9,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.config import SpeculativeConfig
-from kiln.spec.cli import register  # noqa: F401  (the command module imports cleanly)
+from kiln.speculative.training.cli import register  # noqa: F401  (the command module imports cleanly)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 SEEDS = ["The quick brown fox", "def add(a, b):", "Paris is the capital", "0123456789",
@@ -31,9 +31,9 @@ def trained(llama_path, tmp_path_factory):
     see (self-distillation: a random tiny model has no other structure a head could learn)."""
     from kiln.config import CacheConfig, ModelConfig, ParallelConfig
     from kiln.runner.model_runner import ModelRunner
-    from kiln.spec.data import chunk_tokens, generate_answers, record_target
-    from kiln.spec.eagle import EagleHead, save_head
-    from kiln.spec.train import HeadTrainer, TrainConfig
+    from kiln.speculative.head.model import EagleHead, save_head
+    from kiln.speculative.training.data import chunk_tokens, generate_answers, record_target
+    from kiln.speculative.training.train import HeadTrainer, TrainConfig
 
     # the random model's looping answers are the data: no repetition guard
     llm = LLM(llama_path, dtype="float32", num_threads=1, repetition_guard="off")
@@ -67,8 +67,8 @@ def test_training_goes_on_from_a_trained_head(trained):
     """`init` (--init): the trainer starts where the saved head ended — its held-out
     agreement, its draft vocabulary — trains every unrolled step from the first optimizer
     step (no step-1 curriculum again), and refuses a head that reads other features."""
-    from kiln.spec.eagle import load_head
-    from kiln.spec.train import HeadTrainer, TrainConfig
+    from kiln.speculative.head.model import load_head
+    from kiln.speculative.training.train import HeadTrainer, TrainConfig
 
     out, before, history, model, record = trained
     cfg = TrainConfig(epochs=1, batch_size=8, lr=1e-3, draft_vocab_size=0, eval_fraction=0.2,
@@ -162,7 +162,7 @@ def test_cli_distills_a_draft_model_from_files(llama_path, tmp_path, monkeypatch
 
 
 def test_continuation_prompts_are_seeded_windows_round_robin():
-    from kiln.spec.data import continuation_prompts
+    from kiln.speculative.training.data import continuation_prompts
 
     docs = [list(range(100, 140)), list(range(200, 210)), list(range(300, 304))]
     got = continuation_prompts(docs, 7, 8, seed=1)
@@ -181,7 +181,11 @@ def test_continuation_prompts_are_seeded_windows_round_robin():
 def test_continue_openings_continues_each_seeded_window(llama_path):
     """The presets' self-distillation: each seeded window of the texts, then exactly
     `answer_tokens` of the target's own; in slices of whole batches, progress after each."""
-    from kiln.spec.data import continuation_prompts, continue_openings, tokenize_documents
+    from kiln.speculative.training.data import (
+        continuation_prompts,
+        continue_openings,
+        tokenize_documents,
+    )
 
     llm = LLM(llama_path, dtype="float32", num_threads=1, repetition_guard="off")
     tok = llm.get_tokenizer()
@@ -200,7 +204,7 @@ def test_cli_self_distills_from_files(llama_path, tmp_path, monkeypatch, capsys)
     sequence is one opening plus its continuation (the continuation is the target's own
     greedy text, so its labels agree with its next tokens)."""
     from kiln.cli import main
-    from kiln.spec.data import TargetRecord
+    from kiln.speculative.training.data import TargetRecord
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
     data = tmp_path / "data.txt"
@@ -229,7 +233,7 @@ def test_cli_preset_later_stages_go_on_from_the_one_before(llama_path, tmp_path,
     from safetensors.torch import load_file
 
     from kiln.cli import main
-    from kiln.spec import cli, data
+    from kiln.speculative.training import cli, data
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(data, "domain_corpus", lambda domain: [" ".join(SEEDS) * 10])
@@ -290,7 +294,7 @@ def test_autocast_follows_the_cpu_unless_set():
     """bf16 autocast by default only where the CPU has bf16 arithmetic (emulated bf16 matmuls
     run several times slower than fp32 ones); an explicit setting wins."""
     from kiln.models.layers.onednn import onednn_available
-    from kiln.spec.train import TrainConfig, bf16_autocast
+    from kiln.speculative.training.train import TrainConfig, bf16_autocast
 
     for setting, expected in ((None, onednn_available(torch.bfloat16)), (True, True),
                               (False, False)):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
-from kiln.cluster.client import EngineOverloaded, OutputStream
+from kiln.cluster.engine_client import EngineOverloaded, OutputStream
 from kiln.cluster.messages import WorkerStats
+from kiln.engine.contract import EngineCoreOutput, TokenLogprobs
 from kiln.engine.core import EngineRequest
 from kiln.engine.limits import EngineLimits
-from kiln.engine.outputs import EngineCoreOutput, TokenLogprobs
 
 
 class FakeEngineClient:

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from kiln.config import ServeConfig
-from kiln.engine.outputs import EngineCoreOutput
+from kiln.engine.contract import EngineCoreOutput
 from tests.serve.conftest import MODEL
 from tests.serve.fake_engine import FakeEngineClient
 

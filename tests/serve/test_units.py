@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from kiln.cluster.client import OutputStream
+from kiln.cluster.engine_client import OutputStream
 from kiln.cluster.messages import (
     AbortRequests,
     AddRequests,
@@ -24,9 +24,9 @@ from kiln.cluster.messages import (
 )
 from kiln.cluster.worker import Worker
 from kiln.config import EngineConfig, ModelConfig, ServeConfig, WorkerConfig
+from kiln.engine.contract import EngineCoreOutput
 from kiln.engine.core import EngineCore, EngineRequest
 from kiln.engine.output_processor import RequestState, fan_out
-from kiln.engine.outputs import EngineCoreOutput
 from kiln.sampling_params import SamplingParams
 from kiln.serve.auth import KeyStore
 from kiln.serve.errors import from_validation_errors

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kiln.models.layers.ops import get_ops
-from kiln.spec.eagle import EagleHead, HeadConfig, pack_for_inference
+from kiln.speculative.head.model import EagleHead, HeadConfig, pack_for_inference
 
 
 def causal(c: HeadConfig):
@@ -53,7 +53,7 @@ def test_small_batch_int8_linear(dtype):
     int8's rounding of the dense product; larger inputs take the dense weight exactly."""
     from kiln.models.layers.onednn import OneDNNLinearMethod
     from kiln.quant.kernels import INT8_GEMV_MAX_TOKENS
-    from kiln.spec.eagle import (
+    from kiln.speculative.head.model import (
         ONEDNN_MAX_INT8_ROWS,
         SmallBatchInt8,
         int8_gemv_available,
@@ -82,7 +82,7 @@ def test_small_batch_int8_linear(dtype):
 def test_int8_packed_head_drafts_like_the_dense_one():
     """The whole head packed with int8 linears: outputs within int8 rounding of the dense
     packing, and the same argmax (draft) at almost every row."""
-    from kiln.spec.eagle import int8_gemv_available
+    from kiln.speculative.head.model import int8_gemv_available
 
     if not int8_gemv_available():
         pytest.skip("kiln's C++ kernels did not build here")
@@ -117,7 +117,7 @@ def test_draft_rows_attend_their_context_and_own_path(backend, width):
     are never written. One context ends inside a block, the other on a block boundary."""
     from kiln.runner import cpu_ops
     from kiln.runner.attention import get_attention_backend, slot_mapping_for
-    from kiln.spec.head_kv import DraftRows, HeadKV
+    from kiln.speculative.head.kv import DraftRows, HeadKV
 
     kernels = cpu_ops.load()
     if backend == "cpu" and not kernels:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kiln.config import CacheConfig, SchedulerConfig
+from kiln.engine.contract import RunnerOutput
 from kiln.engine.kv_manager import KVCacheManager
-from kiln.engine.outputs import RunnerOutput
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler
 from kiln.sampling_params import SamplingParams

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.spec import data
+from kiln.speculative.training import data
 
 PAGE = """\
 .. _tut-if:
@@ -74,7 +74,7 @@ def test_the_record_cache_tells_the_prose_sources_apart(tmp_path, monkeypatch):
     """A target record self-distilled from the pydoc topics is not reused for the docs."""
     import argparse
 
-    from kiln.spec.cli import _Plan, _record_cache
+    from kiln.speculative.training.cli import _Plan, _record_cache
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
     args = argparse.Namespace(
@@ -105,7 +105,7 @@ def test_presets_carry_their_own_token_counts(tmp_path):
     unless --max-tokens / --epochs say otherwise."""
     import argparse
 
-    from kiln.spec.cli import PRESETS, _apply_preset, register
+    from kiln.speculative.training.cli import PRESETS, _apply_preset, register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())

@@ -18,11 +18,11 @@ from kiln.config import (
     HEAD_TREE_WIDTH,
     SpeculativeConfig,
 )
-from kiln.spec.adaptive import AdaptiveK, TreeChoice, batch_bucket
-from kiln.spec.ngram import TokenIndex, ngram_match, ngram_tree, propose_ngram
-from kiln.spec.proposer import Draft, DraftTrie
-from kiln.spec.resolve import resolve_speculative_config
-from kiln.spec.speculator import Speculator
+from kiln.speculative.adaptive import AdaptiveK, TreeChoice, batch_bucket
+from kiln.speculative.ngram import TokenIndex, ngram_match, ngram_tree, propose_ngram
+from kiln.speculative.proposer import Draft, DraftTrie
+from kiln.speculative.resolve import resolve_speculative_config
+from kiln.speculative.speculator import Speculator
 
 
 def ngram(tokens, k=3, n_min=1, n_max=4):
@@ -332,7 +332,7 @@ def test_speculator_names_resolve(tmp_path):
 
 
 def test_a_preset_trained_here_wins_over_the_shipped_one(tmp_path, monkeypatch):
-    import kiln.spec.resolve as resolve
+    import kiln.speculative.resolve as resolve
 
     shipped, home = tmp_path / "shipped" / "code-head", tmp_path / "home" / "speculators"
     shipped.mkdir(parents=True)
@@ -464,7 +464,7 @@ def test_draft_trie_merges_trees_by_common_prefix():
 
 
 def test_head_tree_keeps_its_likeliest_nodes_likeliest_first():
-    from kiln.spec.head import _best_nodes
+    from kiln.speculative.head.proposer import _best_nodes
 
     # (log-likelihood, depth, token, parent) as the beam search expands them
     nodes = [(-0.1, 1, 10, -1), (-2.0, 1, 11, -1),  # depth 1
@@ -480,7 +480,7 @@ def test_a_tree_by_probability_keeps_the_nodes_that_clear_the_floor():
     most the tree size), whatever the beam's width; without a floor the k * width likeliest."""
     import math
 
-    from kiln.spec.head import _best_nodes, tree_node_count
+    from kiln.speculative.head.proposer import _best_nodes, tree_node_count
 
     nodes = [(-0.1, 1, 10, -1), (-2.0, 1, 11, -1),
              (-0.3, 2, 20, 0), (-1.5, 2, 21, 0), (-2.5, 2, 22, 1), (-3.0, 2, 23, 1),
@@ -535,7 +535,7 @@ def test_a_vllm_style_speculative_config_dict_maps_onto_kiln(tmp_path):
     disable_by_batch_size) land on kiln's fields, kiln's own fields pass as they are, a
     model's kind is checked against the method, and every mistake is a ValueError naming
     the key."""
-    from kiln.spec.resolve import speculative_config_from_dict as from_dict
+    from kiln.speculative.resolve import speculative_config_from_dict as from_dict
 
     head = speculator_dir(tmp_path / "h", "head")
     draft = speculator_dir(tmp_path / "d", "draft")

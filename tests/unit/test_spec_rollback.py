@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kiln.config import CacheConfig, SchedulerConfig
+from kiln.engine.contract import RunnerOutput
 from kiln.engine.kv_manager import KVCacheManager
-from kiln.engine.outputs import RunnerOutput
 from kiln.engine.request import Request
 from kiln.engine.scheduler import Scheduler
 from kiln.sampling_params import SamplingParams

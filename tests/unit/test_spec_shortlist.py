@@ -9,13 +9,13 @@ import torch
 
 from kiln.runner.sampler import Sampler, SamplingRow
 from kiln.sampling_params import SamplingParams
-from kiln.spec.shortlist import (
+from kiln.speculative.shortlist import (
     SHORTLIST_MIN_ROWS,
     Shortlist,
     shortlist_applies,
     verify_shortlisted,
 )
-from kiln.spec.verify import VerifyGroup, verify
+from kiln.speculative.verify import VerifyGroup, verify
 
 V, H = 40, 8
 

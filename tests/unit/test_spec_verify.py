@@ -7,7 +7,7 @@ import torch
 
 from kiln.runner.sampler import Sampler, SamplingRow
 from kiln.sampling_params import SamplingParams
-from kiln.spec.verify import (
+from kiln.speculative.verify import (
     VerifyGroup,
     accept_greedy,
     accept_greedy_tree,

@@ -16,7 +16,7 @@ from kiln.sampling_params import SamplingParams, StructuredOutputsParams
 from kiln.structured.bitmask import GrammarRows
 from kiln.structured.compiler import GrammarCompiler
 from kiln.structured.constraint import TokenConstraint
-from kiln.structured.spec import GrammarError, GrammarSpec, grammar_spec, patch_schema
+from kiln.structured.grammar_spec import GrammarError, GrammarSpec, grammar_spec, patch_schema
 from kiln.structured.vocab import tokenizer_info
 
 

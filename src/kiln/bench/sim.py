@@ -34,8 +34,8 @@ from kiln.bench.sim_cost import BUILTIN, CostModel, fit_cost_model, model_error,
 from kiln.cluster.kv_index import KVIndex
 from kiln.cluster.router import Candidate, LoadTracker, Router, make_policy
 from kiln.config import CacheConfig, SchedulerConfig
+from kiln.engine.contract import RunnerOutput
 from kiln.engine.kv_manager import KVCacheManager
-from kiln.engine.outputs import RunnerOutput
 from kiln.engine.request import Request
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.sampling_params import SamplingParams

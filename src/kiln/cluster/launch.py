@@ -6,7 +6,7 @@ import os
 from dataclasses import replace
 from functools import partial
 
-from kiln.cluster.gateway import ClusterClient, Endpoints
+from kiln.cluster.cluster_client import ClusterClient, Endpoints
 from kiln.cluster.registry import WorkerSlot
 from kiln.cluster.worker import TOKEN_ENV, spawn_worker
 from kiln.config import ClusterConfig, ServeConfig, WorkerConfig

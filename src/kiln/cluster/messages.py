@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import msgspec
 
+from kiln.engine.contract import EngineCoreOutput
 from kiln.engine.core import EngineRequest
 from kiln.engine.limits import EngineLimits
-from kiln.engine.outputs import EngineCoreOutput
 from kiln.engine.prefix_cache import KVEvent
 
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kiln.cluster.client import OutputStream
+from kiln.cluster.engine_client import OutputStream
+from kiln.engine.contract import EngineCoreOutput
 from kiln.engine.core import EngineRequest
-from kiln.engine.outputs import EngineCoreOutput
 
 
 class Leg(enum.Enum):

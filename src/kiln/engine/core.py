@@ -16,14 +16,14 @@ from pathlib import Path
 import msgspec
 
 from kiln.config import EngineConfig
+from kiln.engine.contract import EngineCoreOutput, RunnerOutput
 from kiln.engine.kv_manager import KVCacheManager, KVCacheStats
 from kiln.engine.limits import EngineLimits, validate_request
 from kiln.engine.limits import RequestError as RequestError  # re-exported: its old home
-from kiln.engine.outputs import EngineCoreOutput, RunnerOutput
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler
 from kiln.sampling_params import SamplingParams
-from kiln.structured.engine import StructuredEngine
+from kiln.structured.hooks import StructuredHooks
 from kiln.structured.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
@@ -87,12 +87,12 @@ class EngineCore:
         self.kv = KVCacheManager(config.cache, num_blocks, emit_events=emit_kv_events)
         self.scheduler = Scheduler(self._scheduler_config(), self.kv, self.max_model_len)
         # kiln.structured: grammars (compiled off the step loop) and the repetition guard
-        self.structured = StructuredEngine(config.structured, vocab.result(self.vocab_size),
+        self.structured = StructuredHooks(config.structured, vocab.result(self.vocab_size),
                                            self.eos_token_ids)
         self.scheduler.token_check = self.structured.check_token
-        self.speculator = None  # kiln.spec: sets draft tokens after each step
+        self.speculator = None  # kiln.speculative: sets draft tokens after each step
         if config.speculative is not None:
-            from kiln.spec.speculator import build_speculator
+            from kiln.speculative.speculator import build_speculator
             self.speculator = build_speculator(config.speculative, self)
             self.speculator.draft_filter = self.structured.draft_filter
         self.limits = EngineLimits(max_model_len=self.max_model_len, vocab_size=self.vocab_size,

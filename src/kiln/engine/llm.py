@@ -21,9 +21,9 @@ from kiln.config import (
     SpeculativeConfig,
     StructuredConfig,
 )
+from kiln.engine.contract import TokenLogprobs
 from kiln.engine.core import EngineCore, RequestError
 from kiln.engine.output_processor import OutputSequence, RequestState
-from kiln.engine.outputs import TokenLogprobs
 from kiln.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -42,7 +42,7 @@ class LLM:
                  speculator: str | None = None,
                  speculative_config: SpeculativeConfig | dict | None = None,
                  repetition_guard: str = "stop"):
-        from kiln.spec.resolve import resolve_speculative_config
+        from kiln.speculative.resolve import resolve_speculative_config
 
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,

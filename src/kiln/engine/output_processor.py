@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kiln.engine.contract import EngineCoreOutput, TokenLogprobs
 from kiln.engine.core import EngineRequest
 from kiln.engine.detokenizer import IncrementalDetokenizer
-from kiln.engine.outputs import EngineCoreOutput, TokenLogprobs
 from kiln.sampling_params import SamplingParams
 
 

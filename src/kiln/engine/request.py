@@ -55,10 +55,10 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.spec_token_ids: list[int] = []
-        # the proposer's distribution for each draft (opaque here; kiln.spec.verify reads it),
+        # the proposer's distribution for each draft (opaque here; kiln.speculative.verify reads it),
         # or None: drafts were chosen deterministically
         self.spec_draft_probs = None
-        # the drafts' parents when they form a tree (kiln.spec, ScheduledRequest.draft_parents)
+        # the drafts' parents when they form a tree (kiln.speculative, ScheduledRequest.draft_parents)
         self.spec_parents: list[int] | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission

@@ -21,11 +21,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kiln.config import SchedulerConfig
+from kiln.engine.contract import EngineCoreOutput, RunnerOutput
 from kiln.engine.kv_manager import KVCacheManager
-from kiln.engine.outputs import EngineCoreOutput, RunnerOutput
 from kiln.engine.request import Request, RequestStatus
 from kiln.sampling_params import SamplingParams
-from kiln.structured.engine import no_check
+from kiln.structured.hooks import no_check
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
         # kiln.structured: the verdict on each sampled token before it is appended (grammar,
-        # repetition guard); EngineCore installs StructuredEngine.check_token
+        # repetition guard); EngineCore installs StructuredHooks.check_token
         self.token_check = no_check
 
     # -- intake ---------------------------------------------------------------------------

@@ -37,7 +37,7 @@ class SeqLayout:
     block_table: torch.Tensor  # [num_seqs, max_blocks] block ids, padded with 0
     # [T] int64 over the whole flat batch, or None: a token's nonzero entry m makes it attend,
     # among its own sequence's query tokens, only those j with bit j of m set (a draft tree:
-    # its ancestors and itself; kiln.spec); 0 = causal as usual. Only short queries carry trees.
+    # its ancestors and itself; kiln.speculative); 0 = causal as usual. Only short queries carry trees.
     tree_mask: torch.Tensor | None = None
 
     @property

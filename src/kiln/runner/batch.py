@@ -5,7 +5,7 @@ and positions, the batch records which rows need logits: the positions that samp
 known token, plus one per draft token being verified) and, for requests asking for prompt
 logprobs, every prompt position of the chunk.
 
-Draft trees (kiln.spec): a request whose drafts come with parents computes each draft in a
+Draft trees (kiln.speculative): a request whose drafts come with parents computes each draft in a
 cache slot of its own (the slots after its last known token, in draft order) but at the
 position of its depth in the tree, and attends only its own ancestors among the drafts
 (`SeqLayout.tree_mask`). After verification the runner moves the accepted path's KV into

@@ -13,15 +13,15 @@ from dataclasses import dataclass
 import torch
 
 from kiln.config import CacheConfig, ModelConfig, ParallelConfig, default_num_threads
-from kiln.engine.outputs import RunnerOutput, TokenLogprobs
+from kiln.engine.contract import RunnerOutput, TokenLogprobs
 from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kiln.models.layers.ops import get_ops
 from kiln.models.loader import load_model
 from kiln.runner.attention import get_attention_backend
 from kiln.runner.batch import BatchInputs, LogitsRows, build_batch
 from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs, take_rows
-from kiln.spec.shortlist import Shortlist, shortlist_applies, verify_shortlisted
-from kiln.spec.verify import VerifyGroup, verify
+from kiln.speculative.shortlist import Shortlist, shortlist_applies, verify_shortlisted
+from kiln.speculative.verify import VerifyGroup, verify
 from kiln.structured.bitmask import GrammarRows
 
 log = logging.getLogger(__name__)
@@ -101,9 +101,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(arch.vocab_size, eos_token_ids, model_config.seed)
         self._generators: dict[str, torch.Generator] = {}
-        self.keep_hidden = False  # set by kiln.spec proposers that read hidden states
-        # set by kiln.spec proposers with a draft vocabulary: greedy verify steps score the
-        # whole vocabulary only on the rows the walk visits (kiln.spec.shortlist)
+        self.keep_hidden = False  # set by kiln.speculative proposers that read hidden states
+        # set by kiln.speculative proposers with a draft vocabulary: greedy verify steps score the
+        # whole vocabulary only on the rows the walk visits (kiln.speculative.shortlist)
         self.shortlist: Shortlist | None = None
         self.last_step: StepHidden | None = None
 
@@ -146,7 +146,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         batch, hidden = self.forward(sched)
-        if self.keep_hidden:  # a speculator (kiln.spec) reads this step's hidden states
+        if self.keep_hidden:  # a speculator (kiln.speculative) reads this step's hidden states
             self.last_step = StepHidden(batch, hidden)
         plan = self._plan(sched.scheduled, batch.rows)
         if self._shortlisted(sched, plan):
@@ -165,7 +165,7 @@ class ModelRunner:
     def _outputs_shortlisted(self, sched: SchedulerOutput, batch: BatchInputs,
                              hidden: torch.Tensor, plan: SamplePlan) -> RunnerOutput:
         """A greedy verify step's outputs with the LM head on the rows the walk visits
-        only (kiln.spec.shortlist)."""
+        only (kiln.speculative.shortlist)."""
         tokens, paths = verify_shortlisted(
             self.shortlist, hidden[batch.logits_index[plan.index]], plan.rows, plan.groups,
             self.sampler, self.model.compute_logits)
@@ -244,7 +244,7 @@ class ModelRunner:
     def _sample(self, scheduled: list[ScheduledRequest], plan: SamplePlan,
                 logits: torch.Tensor):
         """Sample each request's row; a request with drafts has 1 + k rows, and
-        kiln.spec.verify decides which drafts stand and adds one token after them."""
+        kiln.speculative.verify decides which drafts stand and adds one token after them."""
         result = [[] for _ in scheduled]
         paths: list[list[int] | None] = [None] * len(scheduled)
         want_logprobs = any(item.params.logprobs is not None for item in scheduled)

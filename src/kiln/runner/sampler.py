@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.engine.outputs import TokenLogprobs
+from kiln.engine.contract import TokenLogprobs
 from kiln.sampling_params import SamplingParams
 
 

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
-from kiln.engine.outputs import TokenLogprobs
+from kiln.engine.contract import TokenLogprobs
 from kiln.sampling_params import StructuredOutputsParams
 from kiln.serve.auth import tenant_salt
 from kiln.serve.context import ServeContext, new_request_id

@@ -23,7 +23,7 @@ from kiln.config import (
     StructuredConfig,
     WorkerConfig,
 )
-from kiln.spec.resolve import resolve_speculative_config
+from kiln.speculative.resolve import resolve_speculative_config
 
 DEFAULTS = ServeConfig()
 

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
+from kiln.engine.contract import TokenLogprobs
 from kiln.engine.output_processor import OutputSequence
-from kiln.engine.outputs import TokenLogprobs
 from kiln.sampling_params import SamplingParams
 from kiln.serve.auth import tenant_salt
 from kiln.serve.context import ServeContext, new_request_id

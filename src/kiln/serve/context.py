@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from kiln.cluster.client import EngineClient
+from kiln.cluster.engine_client import EngineClient
 from kiln.config import ServeConfig, StructuredConfig
 from kiln.serve.errors import APIError
 from kiln.serve.frontend import Frontend

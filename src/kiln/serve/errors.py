@@ -17,7 +17,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kiln.cluster.client import EngineOverloaded, EngineUnavailable, RequestRejected, WorkerLost
+from kiln.cluster.engine_client import (
+    EngineOverloaded,
+    EngineUnavailable,
+    RequestRejected,
+    WorkerLost,
+)
 from kiln.engine.limits import RequestError
 from kiln.sampling_params import SamplingParamsError
 from kiln.serve.protocol import ErrorInfo, ErrorResponse

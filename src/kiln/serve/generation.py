@@ -23,10 +23,10 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kiln.cluster.client import OutputStream, RequestRejected
+from kiln.cluster.engine_client import OutputStream, RequestRejected
+from kiln.engine.contract import EngineCoreOutput
 from kiln.engine.limits import RequestError, validate_request
 from kiln.engine.output_processor import RequestState, SequenceDelta
-from kiln.engine.outputs import EngineCoreOutput
 from kiln.sampling_params import RepetitionGuardParams, SamplingParams, StructuredOutputsParams
 from kiln.serve.context import ServeContext
 from kiln.serve.errors import APIError, as_api_error, bad_request

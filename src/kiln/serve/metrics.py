@@ -63,7 +63,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kiln.cluster.client import EngineClient
+from kiln.cluster.engine_client import EngineClient
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
@@ -119,7 +119,7 @@ class ServeMetrics:
                                          "Grammar compile time (cache misses, gateway check)",
                                          buckets=GRAMMAR_BUCKETS, registry=r)
         r.register(EngineCollector(client))
-        if hasattr(client, "counters"):  # a ClusterClient (kiln.cluster.gateway)
+        if hasattr(client, "counters"):  # a ClusterClient (kiln.cluster.cluster_client)
             r.register(ClusterCollector(client))
 
     def render(self) -> bytes:

@@ -1,6 +1,6 @@
 """`kiln serve` as processes: this (gateway) process runs uvicorn and supervises its spawned
 engine workers (one by default; `--workers N` or `--prefill-workers P --decode-workers D`)
-through a `ClusterClient` (kiln.cluster.gateway), which also admits workers that join over TCP.
+through a `ClusterClient` (kiln.cluster.cluster_client), which also admits workers that join over TCP.
 
 CPU: the worker owns the engine's torch threads (`--threads`, default all cores); its OpenMP
 threads keep the default wait policy (spin briefly between ops, then sleep), so the gateway's

@@ -4,7 +4,7 @@
   compiler.py    GrammarCompiler: background compiles, bounded LRU cache, time limit
   constraint.py  TokenConstraint: one request's grammar matcher and one-draw bans
   bitmask.py     GrammarRows: the step's packed bitmask for the whole batch
-  engine.py      StructuredEngine: the engine's hooks (attach, token check, draft filter)
+  engine.py      StructuredHooks: the engine's hooks (attach, token check, draft filter)
   guard.py       the repetition guard's rules
   vocab.py       token texts, filler classes, xgrammar's TokenizerInfo
   tools.py       tool-call formats, prompts for templates without tools, call grammars

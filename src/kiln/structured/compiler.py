@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kiln.config import StructuredConfig
-from kiln.structured.spec import (
+from kiln.structured.grammar_spec import (
     MAX_WHITESPACE,
     GrammarError,
     GrammarSpec,

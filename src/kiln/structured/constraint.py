@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from kiln.structured.compiler import Compilation
-from kiln.structured.spec import GrammarError
+from kiln.structured.grammar_spec import GrammarError
 from kiln.structured.utf8 import Utf8Table
 
 

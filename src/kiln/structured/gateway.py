@@ -23,7 +23,7 @@ from kiln.config import StructuredConfig
 from kiln.engine.limits import RequestError
 from kiln.sampling_params import StructuredOutputsParams
 from kiln.structured.compiler import GrammarCompiler
-from kiln.structured.spec import GrammarError, GrammarSpec, check_json_text, grammar_spec
+from kiln.structured.grammar_spec import GrammarError, GrammarSpec, check_json_text, grammar_spec
 from kiln.structured.tools import (
     NAME_RE,
     NO_PARAMETERS,

@@ -20,7 +20,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from kiln.structured.spec import patch_schema
+from kiln.structured.grammar_spec import patch_schema
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 # a function without `parameters` takes none (OpenAI: "an empty parameter list")

@@ -25,12 +25,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kiln.config import SpeculativeConfig
-from kiln.engine.outputs import EngineCoreOutput
+from kiln.engine.contract import EngineCoreOutput
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
-from kiln.spec.adaptive import AdaptiveK, TreeChoice
-from kiln.spec.ngram import RequestIndexes
-from kiln.spec.proposer import Draft, DraftRequest, DraftTrie, ProposerContext, build_proposer
+from kiln.speculative.adaptive import AdaptiveK, TreeChoice
+from kiln.speculative.ngram import RequestIndexes
+from kiln.speculative.proposer import (
+    Draft,
+    DraftRequest,
+    DraftTrie,
+    ProposerContext,
+    build_proposer,
+)
 
 # (request, drafts) -> how many leading drafts to keep
 DraftFilter = Callable[[Request, list[int]], int]

@@ -31,7 +31,7 @@ from kiln.engine.kv_manager import KVCacheManager
 from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kiln.sampling_params import SamplingParams
-from kiln.spec.proposer import Draft, DraftRequest, ProposerContext, register_proposer
+from kiln.speculative.proposer import Draft, DraftRequest, ProposerContext, register_proposer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
@@ -46,7 +46,7 @@ class _Shadow:
 class DraftModelProposer:
     def __init__(self, config, ctx: ProposerContext):
         from kiln.runner.model_runner import ModelRunner, num_kv_blocks
-        from kiln.spec.eagle import int8_gemv_available
+        from kiln.speculative.head.model import int8_gemv_available
 
         # int8 weight-only (kiln's int8 GEMV at decode sizes) where its kernels build: a small
         # model's weights come from memory at every draft step, half the bytes cut a draft
@@ -69,11 +69,11 @@ class DraftModelProposer:
         self._finished: list[str] = []
         self.vocab, self.lm = self._draft_vocab(Path(config.model))
         if self.vocab is not None and config.verify_shortlist:
-            from kiln.spec.eagle import lm_head_rows, packed_linear
-            from kiln.spec.shortlist import Shortlist
+            from kiln.speculative.head.model import lm_head_rows, packed_linear
+            from kiln.speculative.shortlist import Shortlist
 
             # the target's LM head rows for the draft vocabulary guess its choices in
-            # verification (kiln.spec.shortlist)
+            # verification (kiln.speculative.shortlist)
             ctx.target.shortlist = Shortlist(
                 self.vocab, packed_linear(lm_head_rows(ctx.target.model, self.vocab)))
 
@@ -82,8 +82,8 @@ class DraftModelProposer:
         vocabulary (`kiln train-speculator --kind draft` writes one), else (None, None)."""
         import json
 
-        from kiln.spec.eagle import lm_head_rows, packed_linear
-        from kiln.spec.resolve import SPECULATOR_FILE
+        from kiln.speculative.head.model import lm_head_rows, packed_linear
+        from kiln.speculative.resolve import SPECULATOR_FILE
 
         meta = path / SPECULATOR_FILE
         ids = json.loads(meta.read_text()).get("draft_vocab") if meta.is_file() else None

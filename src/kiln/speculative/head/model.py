@@ -13,11 +13,11 @@ t_{p+2}. The head then runs on its own outputs: (h_{p+1}, draft_1) -> h_{p+2} ->
 Attention comes in three shapes with one meaning ("step 1 keys causally, then this round's
 own draft keys"): over verified positions the head attends its paged KV cache (same slots as
 the target, so prefix caching and rollback come free); draft steps attend that context plus
-their own path's earlier draft keys (kiln.spec.head's `DraftRows`: each draft row a paged
+their own path's earlier draft keys (kiln.speculative.head.proposer's `DraftRows`: each draft row a paged
 sequence of its own); training unrolls the same chain for every position at once
-(kiln.spec.train). The embedding and LM head are the target's; the
+(kiln.speculative.training.train). The embedding and LM head are the target's; the
 head owns `fuse`, `fc`, the layer and a norm (a few million parameters). The proposer that
-runs it inside the engine is kiln.spec.head.
+runs it inside the engine is kiln.speculative.head.proposer.
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def stack_weights(head: EagleHead) -> list[tuple[float, dict, bool]] | None:
     return sets
 
 
-# -- inference helpers (kiln.spec.head) ----------------------------------------------------------
+# -- inference helpers (kiln.speculative.head.proposer) ----------------------------------------------------------
 
 
 class FeatureTap:

@@ -1,6 +1,6 @@
 """The proposer interface: a speculator that guesses the next tokens of running requests.
 
-Lifecycle, driven by `kiln.spec.speculator.Speculator` once per engine step, after
+Lifecycle, driven by `kiln.speculative.speculator.Speculator` once per engine step, after
 `Scheduler.update` (so every request holds only verified tokens and no drafts):
 
   1. `propose(sched, wanted)`: `sched` is the step that just ran (what was computed, for
@@ -158,7 +158,7 @@ class Proposer(Protocol):
 
 ProposerFactory = Callable[["SpeculativeConfig", ProposerContext], Proposer]
 _PROPOSERS: dict[str, ProposerFactory] = {}
-_BUILTIN = {"ngram": "kiln.spec.ngram", "draft": "kiln.spec.draft", "head": "kiln.spec.head"}
+_BUILTIN = {"ngram": "kiln.speculative.ngram", "draft": "kiln.speculative.draft", "head": "kiln.speculative.head.proposer"}
 
 
 def register_proposer(name: str) -> Callable[[ProposerFactory], ProposerFactory]:

@@ -1,11 +1,11 @@
-"""Training speculators on the target's own view of a corpus (kiln.spec.data.TargetRecord).
+"""Training speculators on the target's own view of a corpus (kiln.speculative.training.data.TargetRecord).
 
 Head (`HeadTrainer`): the EAGLE-style head learns to predict the target's greedy choice two
 tokens ahead from the target's features, unrolled the way it is used ("training-time test",
 EAGLE-3): step 1 reads the target's features at every position p with token t_{p+1}; step j
 reads the head's own output of step j - 1 with token t_{p+j}, at position p + j - 1, and
 attends to step-1 keys at positions <= p plus its own round's keys of steps 2..j (exactly
-the draft rows' attention at inference, kiln.spec.head_kv.DraftRows). At inference the head
+the draft rows' attention at inference, kiln.speculative.head.kv.DraftRows). At inference the head
 only ever continues the target's own greedy choices, so (by default) it learns only at
 positions where every token it is given equals the target's greedy choice before it
 ("greedy-consistent" positions): raw text then looks like the target's own output locally,
@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kiln.spec.data import TargetRecord
-from kiln.spec.eagle import FINAL, EagleHead, HeadConfig, lm_head_rows, rms_norm
+from kiln.speculative.head.model import FINAL, EagleHead, HeadConfig, lm_head_rows, rms_norm
+from kiln.speculative.training.data import TargetRecord
 
 IGNORE = -100
 

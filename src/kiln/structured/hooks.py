@@ -1,7 +1,7 @@
 """The engine's structured side: grammars for the requests that ask for one, the repetition
 guard for all, and a verdict on every sampled token.
 
-`EngineCore` owns one `StructuredEngine` and wires it in:
+`EngineCore` owns one `StructuredHooks` and wires it in:
   attach(request)               on arrival: start the grammar's compile, set up the guard
   check_token(request, token)   `Scheduler.token_check`: each sampled token, before the
                                 scheduler appends it (advance the grammar, run the guard)
@@ -24,8 +24,8 @@ from kiln.engine.request import Request, RequestStatus
 from kiln.sampling_params import SamplingParams
 from kiln.structured.compiler import GrammarCompiler
 from kiln.structured.constraint import TokenConstraint
+from kiln.structured.grammar_spec import GrammarError, grammar_spec
 from kiln.structured.guard import GuardState, guard_settings
-from kiln.structured.spec import GrammarError, grammar_spec
 from kiln.structured.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def no_check(request: Request, token: int) -> TokenCheck:
     return KEEP
 
 
-class StructuredEngine:
+class StructuredHooks:
     def __init__(self, config: StructuredConfig, vocab: Vocabulary | None,
                  eos_token_ids: frozenset[int]):
         """`vocab`: the model's (`Vocabulary.load_in_background` while the model loads);

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.engine.outputs import TokenLogprobs
+from kiln.engine.contract import TokenLogprobs
 from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs, take_rows
 
 

@@ -288,7 +288,7 @@ def record_target(runner, chunks: torch.Tensor, feature_layers: tuple[int, ...],
     """Run the target (a ModelRunner) over each chunk as a fresh prompt; keep its features
     and greedy choices. Uses a scratch KV cache of batch_size x S slots."""
     from kiln.runner.attention import SeqLayout
-    from kiln.spec.eagle import FeatureTap
+    from kiln.speculative.head.model import FeatureTap
 
     n, seq_len = chunks.shape
     bs = runner.kv_spec.block_size

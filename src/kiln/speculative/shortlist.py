@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.runner.sampler import Sampler, SamplingRow
-from kiln.spec.verify import VerifyGroup, accept_greedy, accept_greedy_tree
+from kiln.speculative.verify import VerifyGroup, accept_greedy, accept_greedy_tree
 
 # Sampling rows in a step from which the shortlist pays. The LM head's cost hardly grows up to
 # ~4 rows (its weights come from memory), and the shortlist's round costs about that of 3 to
@@ -42,7 +42,7 @@ class Shortlist:
     """Token ids [S] and the target's LM head rows for them (hidden [R, H] -> [R, S])."""
 
     ids: torch.Tensor
-    lm: Callable[[torch.Tensor], torch.Tensor]  # a packed linear (kiln.spec.eagle)
+    lm: Callable[[torch.Tensor], torch.Tensor]  # a packed linear (kiln.speculative.head.model)
 
     def guess(self, hidden: torch.Tensor) -> list[int]:
         """Each row's likeliest token among the shortlist's."""
@@ -63,7 +63,7 @@ def verify_shortlisted(shortlist: Shortlist, hidden: torch.Tensor, rows: list[Sa
                        groups: list[VerifyGroup], sampler: Sampler,
                        logits_of: Callable[[torch.Tensor], torch.Tensor]
                        ) -> tuple[list[list[int]], list[list[int] | None]]:
-    """Greedy verification of `groups` (see kiln.spec.verify) from their sampling rows'
+    """Greedy verification of `groups` (see kiln.speculative.verify) from their sampling rows'
     final hidden states [R, H]; `logits_of(hidden rows)` is the target's full LM head.
     Returns each group's emitted tokens and, for trees, its accepted path."""
     guess = shortlist.guess(hidden)

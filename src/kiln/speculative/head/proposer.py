@@ -30,7 +30,8 @@ from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kiln.models.layers.rotary import RotaryEmbedding
 from kiln.models.llama import stack_attention_args
 from kiln.runner.attention import CpuPagedAttention, SeqLayout
-from kiln.spec.eagle import (
+from kiln.speculative.head.kv import DraftRows, HeadKV
+from kiln.speculative.head.model import (
     FeatureTap,
     lm_head_rows,
     load_head,
@@ -38,9 +39,8 @@ from kiln.spec.eagle import (
     packed_linear,
     stack_weights,
 )
-from kiln.spec.head_kv import DraftRows, HeadKV
-from kiln.spec.proposer import Draft, DraftRequest, ProposerContext, register_proposer
-from kiln.spec.shortlist import Shortlist
+from kiln.speculative.proposer import Draft, DraftRequest, ProposerContext, register_proposer
+from kiln.speculative.shortlist import Shortlist
 
 
 def verified_spans(sched: SchedulerOutput) -> list[tuple[int, ScheduledRequest, int]]:

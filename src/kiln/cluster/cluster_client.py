@@ -30,7 +30,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kiln.cluster.client import (
+from kiln.cluster.engine_client import (
     EngineOverloaded,
     EngineUnavailable,
     OutputStream,
@@ -77,9 +77,9 @@ from kiln.cluster.registry import Registry, WorkerHandle, WorkerSlot
 from kiln.cluster.router import Candidate, Decision, LeastLoad, LoadTracker, Router, make_policy
 from kiln.cluster.stats import ClusterCounters, sum_stats
 from kiln.config import ClusterConfig
+from kiln.engine.contract import EngineCoreOutput
 from kiln.engine.core import EngineRequest
 from kiln.engine.limits import EngineLimits
-from kiln.engine.outputs import EngineCoreOutput
 
 log = logging.getLogger("kiln.cluster")
 

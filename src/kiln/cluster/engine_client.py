@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from kiln.cluster.messages import WorkerStats
+from kiln.engine.contract import EngineCoreOutput
 from kiln.engine.core import EngineRequest
 from kiln.engine.limits import EngineLimits
-from kiln.engine.outputs import EngineCoreOutput
 
 
 class EngineUnavailable(Exception):

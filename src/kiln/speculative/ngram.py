@@ -21,7 +21,13 @@ from collections.abc import Iterable, Sequence
 
 from kiln.config import DEFAULT_TREE_DRAFTS, SpeculativeConfig
 from kiln.engine.scheduler import SchedulerOutput
-from kiln.spec.proposer import Draft, DraftRequest, DraftTrie, ProposerContext, register_proposer
+from kiln.speculative.proposer import (
+    Draft,
+    DraftRequest,
+    DraftTrie,
+    ProposerContext,
+    register_proposer,
+)
 
 
 def propose_ngram(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:

@@ -6,7 +6,7 @@ A speculator is named by:
   - any HF checkpoint directory sharing the target's tokenizer (a draft model);
   - a preset name ("code-head", "prose-head", "code-draft"): a directory under
     `$KILN_HOME/speculators/` built by `kiln train-speculator --preset NAME`, else the one
-    shipped with kiln for the default model (`kiln/spec/presets/NAME`), where there is one.
+    shipped with kiln for the default model (`kiln/speculative/presets/NAME`), where there is one.
 
 Or by a dict (`LLM(speculative_config={...})`, `kiln serve --speculative-config JSON`) in the
 shape vLLM's `--speculative-config` takes: `method` (ngram, eagle/eagle3 for a kiln head,

@@ -150,7 +150,7 @@ def _kept_stage(args: argparse.Namespace, number: int, console, previous: Path |
     the same command trained it before on the stages before it as they are (`may_keep`: they
     were all kept), else trained there. A stage is up to an hour of generating and training,
     and the stages after it may be stopped."""
-    from kiln.spec.resolve import speculators_home
+    from kiln.speculative.resolve import speculators_home
 
     out = speculators_home() / ".stages" / f"{args.preset}-{number}"
     stage = argparse.Namespace(**{**vars(args), "out": str(out)})
@@ -208,7 +208,7 @@ def _apply_preset(args: argparse.Namespace) -> None:
         if args.self_distill:
             args.epochs = args.epochs or preset.epochs
         if args.out is None:
-            from kiln.spec.resolve import speculators_home
+            from kiln.speculative.resolve import speculators_home
             args.out = str(speculators_home() / args.preset)
     if not (args.data or args.prompts or args.domain):
         raise CliError("give --data FILES, --prompts FILE, --domain or --preset")
@@ -254,7 +254,7 @@ class _Plan:
         return cls(args.kind, Path(resolve_model_path(args.model)), Path(args.out), source, args)
 
     def train_config(self):
-        from kiln.spec.train import TrainConfig
+        from kiln.speculative.training.train import TrainConfig
 
         a = self.args
         head_epochs = 3 if a.self_distill else 5
@@ -269,7 +269,7 @@ class _Plan:
 
 
 def _documents(plan: _Plan, tokenizer, console) -> list[list[int]]:
-    from kiln.spec import data
+    from kiln.speculative.training import data
 
     a = plan.args
     if a.prompts:
@@ -296,7 +296,7 @@ def _self_distilled(plan: _Plan, tokenizer, texts: list[str], console) -> list[l
     from rich.progress import Progress
 
     from kiln import LLM
-    from kiln.spec import data
+    from kiln.speculative.training import data
 
     a = plan.args
     seqs = 128
@@ -321,7 +321,7 @@ def _record(plan: _Plan, console):
 
     from kiln.config import CacheConfig, ModelConfig, ParallelConfig
     from kiln.runner.model_runner import ModelRunner
-    from kiln.spec.data import TargetRecord, chunk_tokens, record_target
+    from kiln.speculative.training.data import TargetRecord, chunk_tokens, record_target
 
     a = plan.args
     runner = ModelRunner(ModelConfig(model=str(plan.model_path), dtype=a.dtype),
@@ -330,7 +330,7 @@ def _record(plan: _Plan, console):
     plan.target_model, plan.target_dtype = runner.model, runner.dtype
     if plan.init is not None:  # before recording, which may take most of an hour
         from kiln.cli import CliError
-        from kiln.spec.train import check_init
+        from kiln.speculative.training.train import check_init
 
         try:
             check_init(plan.init.c, runner.model.arch, plan.train_config())
@@ -367,12 +367,12 @@ def _record_cache(plan: _Plan) -> Path | None:
     --data only: answers to --prompts are generated afresh)."""
     import hashlib
 
-    from kiln.spec.resolve import speculators_home
+    from kiln.speculative.resolve import speculators_home
 
     a = plan.args
     if a.prompts:
         return None
-    from kiln.spec.data import prose_source
+    from kiln.speculative.training.data import prose_source
 
     data = ((a.domain if a.domain != "prose" else [a.domain, prose_source()]) if a.domain
             else sorted(str(Path(p).resolve()) for p in a.data))
@@ -386,7 +386,7 @@ def _record_cache(plan: _Plan) -> Path | None:
 def _train(plan: _Plan, record, console):
     from rich.progress import Progress
 
-    from kiln.spec import train
+    from kiln.speculative.training import train
 
     cfg = plan.train_config()
     total = train._num_steps(len(train.split_sequences(len(record.tokens), cfg)[0]), cfg)
@@ -414,7 +414,7 @@ def _init_head(path: str | None):
     import torch
 
     from kiln.cli import CliError
-    from kiln.spec.eagle import load_head
+    from kiln.speculative.head.model import load_head
 
     try:
         return load_head(path, torch.float32)
@@ -426,8 +426,8 @@ def _save(plan: _Plan, trained, history, record, seconds: float,
           previous: Path | None = None) -> None:
     import torch
 
-    from kiln.spec import train
-    from kiln.spec.eagle import save_head
+    from kiln.speculative.head.model import save_head
+    from kiln.speculative.training import train
 
     dtype = torch.float32 if plan.target_dtype == torch.float32 else torch.bfloat16
     if plan.kind == "head":
