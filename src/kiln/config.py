@@ -183,13 +183,13 @@ MAX_TREE_DRAFTS = 31
 DEFAULT_TREE_DRAFTS = 15  # tree_size by default (lookup's and a draft model's)
 # a head's draft trees by default: 3 continuations, up to 12 drafts, lookup's continuation
 # joining them (ngram_first), where one sequence decodes (tree_max_batch): the fastest shape
-# measured on code at batch 1 (BENCHMARKS.md, "Lookup's continuation first" and "Trees by
-# default for a head"); chains elsewhere, as SGLang's EAGLE picks a tree for its users
+# measured on code at batch 1 (see docs/decisions/0005); chains elsewhere, as SGLang's EAGLE
+# picks a tree for its users
 HEAD_TREE_WIDTH, HEAD_TREE_DRAFTS = 3, 12
 # and those trees hold the head's nodes of path probability >= this (tree_min_prob): a step
 # verifies few drafts where the head is sure and up to 12 where it is not. At batch 1, k = 3
 # forced, 32 prompts, it ran 1.06x the fixed 3 x 12 on both code and prose with about the same
-# drafts accepted (BENCHMARKS.md, "Trees by probability")
+# drafts accepted (see docs/decisions/0006)
 HEAD_TREE_MIN_PROB = 0.03
 
 
@@ -213,7 +213,7 @@ class SpeculativeConfig:
     speculator_int8: bool = True  # head/draft: int8 weight-only linears, decode-sized inputs
     # head/draft with a draft vocabulary: greedy verify steps score the whole vocabulary only
     # on the rows the walk visits, the draft vocabulary guessing the others (lossless:
-    # kiln.speculative.shortlist; BENCHMARKS.md, "The LM head where the walk goes")
+    # kiln.speculative.shortlist; see docs/decisions/0009)
     verify_shortlist: bool = True
     # draft trees: up to this many alternative continuations per request and step, verified
     # in one forward (n-gram: several earlier occurrences' continuations, merged by common
@@ -233,12 +233,12 @@ class SpeculativeConfig:
     # likeliest (with ngram_first, lookup's first continuation still goes first and its others
     # stay out). The head's probabilities are calibrated, so a step where it is sure verifies
     # a few drafts and one where it is not verifies many: more accepted per draft verified
-    # (BENCHMARKS.md, "Trees by probability"). 0: a fixed size, the `k * width` likeliest;
+    # (see docs/decisions/0006). 0: a fixed size, the `k * width` likeliest;
     # None: HEAD_TREE_MIN_PROB for a head (lookup's and a draft model's trees have no floor)
     tree_min_prob: float | None = None
     # trees only in steps where at most this many sequences decode (chains above): at small
     # batches a step's cost hardly grows with its query tokens, at larger ones a tree's
-    # extra tokens cost more than they bring (BENCHMARKS.md, draft trees)
+    # extra tokens cost more than they bring (see docs/decisions/0005)
     tree_max_batch: int = 1
 
     def __post_init__(self):

@@ -48,7 +48,7 @@ being accepted; the 10% margin drafting must promise over k = 0 makes that 2,015
 keeps a draft model drafting at batch 8 on this machine, where it cost 10-17%, off). (A head's
 probe is dearer than its k = 1 step suggests: it first catches up on every position it
 skipped. At fixed 1-in-24 probes heads ran at 0.93-0.94x of off at batch 8
-on this machine; BENCHMARKS.md.)
+on this machine; docs/decisions/0007.)
 """
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ class TreeChoice:
     chain; whether that pays depends on how a step's cost grows with its query tokens: on an
     AVX-512 BF16 CPU a 16-token step costs 1.6x a 1-token one; on an AVX2 CPU, where bf16
     weights are widened to fp32 (a 576x1536 linear: 329 us for 16 tokens, 98 for 2), lookup's
-    15-draft trees ran at 1.20x of no drafts on code and its chains at 1.36x (BENCHMARKS.md).
+    15-draft trees ran at 1.20x of no drafts on code and its chains at 1.36x (docs/decisions/0007).
     Each shape has its own controllers for k (its own acceptance and costs); this picks the shape with more tokens per unit of cost, measured
     over whole decode steps (k = 0 steps included: what each shape's controller actually
     makes of its steps). Each shape gets `warmup` steps first (trees first), then the better

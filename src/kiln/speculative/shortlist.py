@@ -33,7 +33,7 @@ from kiln.speculative.verify import VerifyGroup, accept_greedy, accept_greedy_tr
 # ~4 rows (its weights come from memory), and the shortlist's round costs about that of 3 to
 # 4 rows of the LM head: the default model at batch 1 on two cores, after the step's forward,
 # 3.2 ms without it and 2.9 with it at 9 rows, 4.2 and 3.4 at 13, 5.8 and 3.7 at 21, and no
-# gain at 8 or fewer (BENCHMARKS.md, "The LM head where the walk goes").
+# gain at 8 or fewer (see docs/decisions/0009).
 SHORTLIST_MIN_ROWS = 9
 
 

@@ -170,7 +170,7 @@ class Speculator:
         # joins it, its first continuation whole (`_merge`), so the tree is right wherever
         # lookup's chain is and often where it is not (k = 3 forced, 32 prompts: prose 2.02
         # -> 2.07 accepted at 2% less speed, code 2.14 -> 2.16 at the same speed;
-        # BENCHMARKS.md, "Lookup's record, scaled per request")
+        # see docs/decisions/0008)
         weigh = width == 1 or model.enabled
         pays = [bool(f.token_ids) and weigh
                 and self._lookup_pays(batch, n, r.request_id, model, lookup)
@@ -183,7 +183,7 @@ class Speculator:
             # the tokens the model's k drafts do (on prose at batch 2, routing such matches by
             # their cheaper lookup-only steps cost a tenth of the speed-up; measured against
             # the smaller k_model the controller picks there, the gain was lost again;
-            # BENCHMARKS.md, "Routing in steps the head drafts anyway")
+            # see docs/decisions/0008)
             pays = [p and self._lookup_expected(n, r.request_id) >= model.expected_tokens(
                         self.config.num_speculative_tokens, [r.request_id])
                     for r, (_, n), p in zip(candidates, found, pays, strict=True)]
@@ -220,10 +220,10 @@ class Speculator:
         verified in one forward, whichever is right is accepted. Lookup's first continuation
         goes whole before the model's tree: on code it was right more often than the model's
         least likely nodes it displaces (k = 3 forced, 10 drafts in all: 1.90 -> 2.00
-        accepted per verify step; BENCHMARKS.md, "Lookup's continuation first"). With
+        accepted per verify step; see docs/decisions/0005). With
         `tree_min_prob` lookup's other continuations stay out: replayed on recorded prose
         trees they brought fewer accepted drafts per draft verified than the head's nodes
-        near the floor (BENCHMARKS.md, "Trees by probability")."""
+        near the floor (see docs/decisions/0006)."""
         if lookup is None or not lookup.token_ids:
             return model
         lookup = lookup.limit(depth, self.config.tree_size)

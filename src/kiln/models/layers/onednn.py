@@ -2,7 +2,7 @@
 
 torch's generic bf16 matrix-vector product reads weights at a fraction of the memory bandwidth
 on AVX-512 CPUs; oneDNN's prepacked layout feeds the bf16 dot-product instructions directly and
-is as fast or faster at every batch size we measured (BENCHMARKS.md). Once packed, the plain
+is as fast or faster at every batch size we measured (docs/decisions/0001). Once packed, the plain
 weight is released (the model is held once, not twice); `dense_weight(layer)` unpacks a copy for
 the few readers that want W itself (speculator heads reading LM head rows, quantization, tests).
 """

@@ -50,8 +50,7 @@ class Preset:
 
 _FRESH_OPENINGS = Refine(answer_tokens=51, tokens=12288 * (96 + 51), seed=1, epochs=3, lr=1e-3)
 # 8,192 more each: the prose head's agreement on held-out pages rose with the distinct windows
-# it had seen (BENCHMARKS.md, "The prose head in four stages"); a fifth such stage did not
-# move it ("A fifth prose stage: not shipped")
+# it had seen; a fifth such stage did not move it (see docs/decisions/0010)
 _MORE_PROSE = tuple(Refine(answer_tokens=51, tokens=8192 * (96 + 51), seed=seed, epochs=3,
                            lr=1e-3) for seed in (3, 4))
 
@@ -60,10 +59,8 @@ PRESETS = {
     # 3 epochs on twice the data did, 10 epochs more often still, and generating the data is
     # most of the time; the code head at 10 epochs: 0.76/0.63/0.49 held out at draft steps
     # 1/2/3, against 0.61/0.45/0.33 at 3; the prose head at 12 epochs 0.87/0.78/0.67, at 10
-    # 0.86/0.76/0.65 (BENCHMARKS.md, draft trees; code heads; trees of up to 31 drafts);
-    # then 3 epochs on 12,288 fresh openings continued for 51 tokens (BENCHMARKS.md, "More
-    # windows of text that is not yet a loop", "The prose head in two stages"); the code head
-    # likewise ("The code head in two stages"); the prose head then twice on 8,192 more
+    # 0.86/0.76/0.65; then 3 epochs on 12,288 fresh openings continued for 51 tokens; the
+    # code head likewise; the prose head then twice on 8,192 more (see docs/decisions/0010)
     "code-head": Preset("code", "head", 1048576, 10, (_FRESH_OPENINGS,)),
     "prose-head": Preset("prose", "head", 1048576, 12, (_FRESH_OPENINGS, *_MORE_PROSE)),
     "code-draft": Preset("code", "draft", 524288, None),

@@ -17,7 +17,7 @@ vocabulary (the most frequent target choices in the data), or with `soft_labels`
 its whole distribution there (recomputed from the recorded final hidden state); and, when
 the head reads that state, a little of EAGLE-1's feature regression (`regression_weight`).
 Neither soft labels nor dropping the regression moved a prose head's agreement
-(BENCHMARKS.md). Forward passes run in bf16 autocast where the CPU has bf16 arithmetic
+(docs/decisions/0010). Forward passes run in bf16 autocast where the CPU has bf16 arithmetic
 (fp32 elsewhere), and a share of the sequences is held out to report agreement on text the
 head did not train on: other windows of the same documents, so it reads higher than on
 documents never seen (benchmarks/head_agreement.py measures those: the benchmark's
@@ -64,7 +64,7 @@ class TrainConfig:
     eval_fraction: float = 0.1  # sequences held out for evaluation
     # bf16 autocast for forward passes (fp32 master weights); None: where the CPU has bf16
     # arithmetic (oneDNN prepacks bf16), else fp32 — emulated bf16 matmuls run several times
-    # slower than fp32 ones (BENCHMARKS.md, CPUs without bf16 instructions)
+    # slower than fp32 ones (see docs/decisions/0003)
     autocast: bool | None = None
     seed: int = 0
 
