@@ -20,7 +20,7 @@ Neither soft labels nor dropping the regression moved a prose head's agreement
 (docs/decisions/0010). Forward passes run in bf16 autocast where the CPU has bf16 arithmetic
 (fp32 elsewhere), and a share of the sequences is held out to report agreement on text the
 head did not train on: other windows of the same documents, so it reads higher than on
-documents never seen (benchmarks/head_agreement.py measures those: the benchmark's
+documents never seen (benchmarks/experiments/head_agreement.py measures those: the benchmark's
 prompts).
 
 Draft model (`distill_draft`): a Llama with the target's embedding, first n layers and final

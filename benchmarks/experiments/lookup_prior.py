@@ -1,6 +1,6 @@
 """Does a prompt say how often lookup's drafts will be accepted on the request's output?
 
-  python benchmarks/lookup_prior.py [--max-tokens 48] [--out results.json]
+  python benchmarks/experiments/lookup_prior.py [--max-tokens 48] [--out results.json]
 
 A request's own record in adaptive speculation starts from the estimate over all traffic
 (`AdaptiveK.request_prior`), so a prose request arriving after code traffic starts from

@@ -1,6 +1,6 @@
 """Lookup in a corpus of the target's own text (suffix decoding), replayed on recorded trees.
 
-  python benchmarks/corpus_lookup.py [--domain prose] [--windows 4096] [--prompts 32]
+  python benchmarks/experiments/corpus_lookup.py [--domain prose] [--windows 4096] [--prompts 32]
       [--out benchmarks/results/corpus_lookup_prose.json]
 
 kiln's lookup matches a sequence's last tokens against its own prompt and output. Suffix

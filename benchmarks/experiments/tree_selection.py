@@ -1,6 +1,6 @@
 """Which drafts a tree should hold: tree shapes and ordering rules replayed on recorded trees.
 
-  python benchmarks/tree_selection.py [--prompts 32] [--domains prose code]
+  python benchmarks/experiments/tree_selection.py [--prompts 32] [--domains prose code]
       [--out benchmarks/results/tree_selection.json]
 
 The default model decodes the speculative benchmark's held-out prompts greedily (EOS

@@ -1,7 +1,7 @@
 """How often a shipped head agrees with the target on pages it never saw, and whether the
 engine keeps that acceptance.
 
-  python benchmarks/head_agreement.py [--domain prose] [--prompts 16] [--out results.json]
+  python benchmarks/experiments/head_agreement.py [--domain prose] [--prompts 16] [--out results.json]
 
 `kiln train-speculator` reports agreement on held-out *sequences*: a tenth of its training
 windows, drawn from the same pages as the rest. This measures the head on the benchmark's

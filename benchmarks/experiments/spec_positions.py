@@ -1,6 +1,6 @@
 """How many drafts each speculator would get accepted, position by position, on the same text.
 
-  python benchmarks/spec_positions.py [--heads code-head prose-head] [--new-tokens 52]
+  python benchmarks/experiments/spec_positions.py [--heads code-head prose-head] [--new-tokens 52]
       [--out benchmarks/results/spec_positions.json]
 
 The default model continues the speculative benchmark's held-out prompts greedily (EOS

@@ -1,6 +1,6 @@
 """What a verify step costs after its forward, by rows, with and without the verify shortlist.
 
-  python benchmarks/verify_shortlist.py [--configs prose-head+ngt@6x20:0.01] [--prompts 12] \
+  python benchmarks/experiments/verify_shortlist.py [--configs prose-head+ngt@6x20:0.01] [--prompts 12] \
       [--out results.json]
 
 After a step's forward pass the runner turns the final hidden states into tokens: the LM head
@@ -20,10 +20,12 @@ import argparse
 import collections
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from speculative import FULL, build, decode
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/speculative.py
+from speculative import FULL, build, decode  # noqa: E402
 
 from kiln.bench.result import cpu_summary
 from kiln.speculative.training.data import code_prompts, prose_prompts

@@ -1,10 +1,10 @@
 """Does a head agree with the target more often on text that is not yet a loop when it has
 seen more such text? Record more openings continued briefly, fine-tune a shipped head on
-them, then measure it with `benchmarks/head_agreement.py`.
+them, then measure it with `benchmarks/experiments/head_agreement.py`.
 
-  python benchmarks/early_finetune.py record --openings 4096 --seed 1 --out early-1.safetensors
-  python benchmarks/early_finetune.py tune --records REC [REC ...] --out DIR
-  python benchmarks/head_agreement.py --head DIR --prompts 32
+  python benchmarks/experiments/early_finetune.py record --openings 4096 --seed 1 --out early-1.safetensors
+  python benchmarks/experiments/early_finetune.py tune --records REC [REC ...] --out DIR
+  python benchmarks/experiments/head_agreement.py --head DIR --prompts 32
 
 The default model's greedy continuation of a documentation page turns into a phrase loop
 after a few dozen tokens (docs/speculative.md), so most of a preset's 160-token training
@@ -19,12 +19,11 @@ on twice the distinct windows shows whether more data of this kind moves agreeme
 `--soft-labels` trains on the target's whole distribution over the draft vocabulary rather
 than its greedy token, `--all-positions` also where the tokens the head is given are not the
 target's own choices (the openings' raw text): neither moved agreement on held-out pages
-(BENCHMARKS.md, "Soft labels, every position, and 16 prompts at batch 1"), nor did
+(docs/decisions/0010), nor did
 `--regression-weight 0` (no feature regression, as EAGLE-3). `widen` writes a head with a
 wider MLP that computes what the given one does (the new units' gate and up rows at
 PyTorch's init, their down columns zero), to go on training with `kiln train-speculator
---init`: whether capacity rather than data limits a head (it did not: BENCHMARKS.md, "A
-fifth prose stage: not shipped").
+--init`: whether capacity rather than data limits a head (it did not: docs/decisions/0010).
 """
 
 from __future__ import annotations
