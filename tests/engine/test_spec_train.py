@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 import torch
@@ -248,14 +249,18 @@ def test_cli_preset_later_stages_go_on_from_the_one_before(llama_path, tmp_path,
     stages = tmp_path / "home" / "speculators" / ".stages"
     first, second = stages / "code-head-1", stages / "code-head-2"
     meta = json.loads((out / "train.json").read_text())
-    assert meta["command"]["init"] == str(second)
+    # train.json ships with a head: no machine's paths, the stages under $KILN_HOME by name
+    assert str(tmp_path) not in (out / "train.json").read_text()
+    kept_first, kept_second = (f"$KILN_HOME/speculators/.stages/{d.name}" for d in (first, second))
+    assert meta["target"] == pathlib.Path(llama_path).name and meta["command"]["out"] == out.name
+    assert meta["command"]["init"] == kept_second
     assert (meta["command"]["seed"], meta["command"]["answer_tokens"],
             meta["command"]["max_tokens"], meta["command"]["epochs"]) == (2, 8, 128, 1)
     middle = meta["previous_stage"]["command"]
-    assert (middle["seed"], middle["init"], middle["out"]) == (1, str(first), str(second))
+    assert (middle["seed"], middle["init"], middle["out"]) == (1, kept_first, kept_second)
     before = meta["previous_stage"]["previous_stage"]["command"]
     assert (before["seed"], before["answer_tokens"], before["max_tokens"]) == (0, 24, 256)
-    assert before["out"] == str(first) and before["init"] is None
+    assert before["out"] == kept_first and before["init"] is None
     shapes = sorted(data.TargetRecord.load(p).tokens.shape[1]
                     for p in (tmp_path / "home" / "speculators" / ".records").iterdir())
     assert shapes == [16, 16, 32]  # openings of 8 continued for 24, then twice for 8

@@ -152,8 +152,8 @@ def _kept_stage(args: argparse.Namespace, number: int, console, previous: Path |
     out = speculators_home() / ".stages" / f"{args.preset}-{number}"
     stage = argparse.Namespace(**{**vars(args), "out": str(out)})
     try:
-        before = json.loads((out / "train.json").read_text())["command"]
-    except (OSError, ValueError, KeyError, TypeError):
+        before = _portable_paths(json.loads((out / "train.json").read_text())["command"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         before = None
     # how many cores trained it does not change it
     if (may_keep and isinstance(before, dict) and {**before, "threads": None} ==
@@ -166,8 +166,35 @@ def _kept_stage(args: argparse.Namespace, number: int, console, previous: Path |
 
 
 def _command(args: argparse.Namespace) -> dict:
-    """The arguments as train.json records them (JSON types: a stage compares them)."""
-    return json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "func"}))
+    """The arguments as train.json records them (JSON types: a stage compares them), with no
+    machine's absolute paths: a trained head ships with it."""
+    return _portable_paths(json.loads(json.dumps(
+        {k: v for k, v in vars(args).items() if k != "func"})))
+
+
+_PATH_ARGS = ("model", "data", "prompts", "out", "init")
+
+
+def _portable_paths(command: dict) -> dict:
+    """`command` with its path arguments as `_portable` writes them."""
+    def portable(value):
+        return [portable(v) for v in value] if isinstance(value, list) else _portable(value)
+    return {k: portable(v) if k in _PATH_ARGS else v for k, v in command.items()}
+
+
+def _portable(value):
+    """An absolute path as $KILN_HOME/..., relative to the working directory where it lies
+    under it, else its name alone; anything else as it is."""
+    from kiln.models.default import kiln_home
+
+    if not isinstance(value, str) or not Path(value).is_absolute():
+        return value
+    path = Path(value)
+    if path.is_relative_to(kiln_home()):
+        return f"$KILN_HOME/{path.relative_to(kiln_home())}"
+    if path.is_relative_to(Path.cwd()):
+        return str(path.relative_to(Path.cwd()))
+    return path.name
 
 
 def _stage(args: argparse.Namespace, console, previous: Path | None = None,
@@ -247,7 +274,7 @@ class _Plan:
         from kiln.engine.core import resolve_model_path
 
         source = (f"domain {args.domain}" if args.domain else
-                  f"prompts {args.prompts}" if args.prompts else f"{len(args.data)} path(s)")
+                  f"prompts {_portable(args.prompts)}" if args.prompts else f"{len(args.data)} path(s)")
         return cls(args.kind, Path(resolve_model_path(args.model)), Path(args.out), source, args)
 
     def train_config(self):
@@ -436,7 +463,7 @@ def _save(plan: _Plan, trained, history, record, seconds: float,
     train.plot_history(history, plan.out / "loss.png",
                        f"{plan.kind} for {plan.model_path.name} ({plan.source})")
     meta = {
-        "kind": plan.kind, "target": str(plan.model_path), "source": plan.source,
+        "kind": plan.kind, "target": plan.model_path.name, "source": plan.source,
         "command": _command(plan.args),
         "train_config": dataclasses.asdict(plan.train_config()),
         "loss_first": history.loss[0], "loss_last": history.loss[-1],
