@@ -208,7 +208,7 @@ def test_ngram_first_lookup_and_model_each_draft_their_own_k(k_model, k_lookup, 
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
     assert asked and max(asked) == k_model
     assert max(stored["lookup"]) == k_lookup and max(stored["model"]) <= k_model
-    assert spec.adaptive._tried[0] > 0 and spec.lookup._tried[0] > 0
+    assert spec.adaptive.verifications > 0 and spec.lookup.verifications > 0
     # the untrained head is rarely right, lookup on these repetitive prompts often
     assert spec.lookup.acceptance(1) > spec.adaptive.acceptance(1)
 
@@ -991,12 +991,12 @@ def test_adaptive_trees_measure_trees_and_chains_and_stay_lossless(ngram_first, 
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
     tree_model = spec.trees.model.controller
     tree_lookup = spec.trees.lookup and spec.trees.lookup.controller
-    assert tree_model is not spec.adaptive and tree_model._baseline is spec.adaptive._baseline
+    assert tree_model is not spec.adaptive and tree_model.shares_baseline(spec.adaptive)
     assert (tree_lookup is not None) == ngram_first
     assert tree_lookup is None or tree_lookup is not spec.lookup
-    assert spec.shape._seen[True] >= 3 and spec.shape._seen[False] >= 3
+    assert spec.shape.observations(True) >= 3 and spec.shape.observations(False) >= 3
     for shape in ((tree_model, tree_lookup), (spec.adaptive, spec.lookup)):
-        assert any(c is not None and sum(c._tried) > 0 for c in shape)  # drafts verified
+        assert any(c is not None and c.verifications > 0 for c in shape)  # drafts verified
     assert llm.engine.kv.stats().used_blocks == 0
 
 

@@ -11,7 +11,7 @@
      `max_model_len` (with `ngram_first`, requests whose text has an n-gram match take its
      drafts instead, with a k of their own: on text that repeats itself, lookup beats a
      small model; with adaptive speculation, a match of a length whose drafts have been
-     worth less than the model's goes to the model after all);
+     worth less than the model's goes to the model after all: kiln.speculative.routing);
   4. each guess passes `draft_filter`, the seam for structured output (a grammar keeps the
      drafts it accepts; a request with a grammar gets a tree's main chain only), and lands in
      `request.spec_token_ids` (and `spec_draft_probs`, `spec_parents` for a tree), where the
