@@ -43,11 +43,11 @@ from transformers import AutoTokenizer  # noqa: F401  (import before engines sta
 from kiln import LLM, SamplingParams
 from kiln.bench.result import cpu_summary
 from kiln.config import SpeculativeConfig
+from kiln.runner.verify import children_of
 from kiln.speculative.head.proposer import _best_nodes, tree_node_count
 from kiln.speculative.proposer import Draft, DraftTrie
 from kiln.speculative.resolve import speculator_path
 from kiln.speculative.training.data import code_prompts, prose_prompts, prose_source
-from kiln.speculative.verify import children_of
 
 K, WIDEST, LARGEST = 3, 8, 31
 SHAPES = [(3, 9), (3, 12), (4, 12), (6, 12), (8, 12), (4, 15), (6, 16), (8, 16), (8, 20),

@@ -23,6 +23,7 @@ from kiln.config import (
 )
 from kiln.engine.scheduler import tree_depths
 from kiln.speculative.proposer import Draft, DraftTrie, register_proposer
+from kiln.speculative.routing import LookupRouting, MatchRecord, RequestRecord
 
 # always k = 3 (every path gets exercised), in chains, every proposer alone (a head's default
 # is trees with lookup joined: test_a_head_drafts_trees_with_lookup_joined_by_default)
@@ -157,7 +158,7 @@ def test_ngram_first_splits_requests_and_stays_lossless(proposer, reference, lla
     assert 0 < to_model < asked  # both sources drafted
     assert 0 in calls  # steps where n-gram matches served everyone: the proposer still ran
     assert llm.engine.kv.stats().used_blocks == 0
-    assert set(spec._source.values()) == {"ngram", proposer}
+    assert {source.name for source in spec.sources} == {"ngram", proposer}
 
 
 def test_request_metrics_count_drafts_by_source(reference, llama_path, head_path):
@@ -190,18 +191,24 @@ def test_ngram_first_lookup_and_model_each_draft_their_own_k(k_model, k_lookup, 
     spec = llm.engine.speculator
     spec.adaptive.choose = lambda batch, ids=(), left=None: k_model
     spec.lookup.choose = lambda batch, ids=(), left=None: k_lookup
-    asked, stored = [], {"model": [], "lookup": []}
-    inner_propose, inner_store = spec.proposer.propose, spec._store
-    spec.proposer.propose = lambda sched, wanted: asked.extend(
-        w.max_drafts for w in wanted) or inner_propose(sched, wanted)
-    spec._store = lambda w, draft, source: stored[
-        "lookup" if source is spec.lookup else "model"].append(
-        len(draft.limit(w.max_drafts, 15).token_ids)) or (
-        inner_store(w, draft, source))
+    asked, to_model, stored = [], set(), {"model": [], "lookup": []}
+    inner_propose, inner_filter = spec.proposer.propose, spec.draft_filter
+
+    def propose(sched, wanted):  # this round's model requests; every other draft is lookup's
+        asked.extend(w.max_drafts for w in wanted)
+        to_model.clear()
+        to_model.update(w.request.request_id for w in wanted)
+        return inner_propose(sched, wanted)
+
+    def draft_filter(request, drafts):  # sees every chain stored, after the proposer ran
+        stored["model" if request.request_id in to_model else "lookup"].append(len(drafts))
+        return inner_filter(request, drafts)
+
+    spec.proposer.propose, spec.draft_filter = propose, draft_filter
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
     assert asked and max(asked) == k_model
     assert max(stored["lookup"]) == k_lookup and max(stored["model"]) <= k_model
-    assert spec.adaptive._tried[0] > 0 and spec.lookup._tried[0] > 0
+    assert spec.adaptive.verifications > 0 and spec.lookup.verifications > 0
     # the untrained head is rarely right, lookup on these repetitive prompts often
     assert spec.lookup.acceptance(1) > spec.adaptive.acceptance(1)
 
@@ -229,25 +236,28 @@ def test_ngram_first_gives_a_match_length_lookup_misses_on_to_the_model(
         spec.adaptive.cost = spec.lookup.cost = lambda batch, k: None  # tokens decide alone
     else:  # costs that favour lookup 10:1 are not weighed
         spec.adaptive.cost, spec.lookup.cost = (lambda batch, k: 1.0), (lambda batch, k: 0.1)
-    routed, inner = [], spec._lookup_pays
+    routing = spec.routing
+    routed, inner = [], routing.prefers_lookup
 
-    def pays(batch, n, request_id, *rest):
-        own = spec._lookup_of.get(request_id)  # the request's own lookup steps so far
-        routed.append((n, own is not None and own[1] < own[2], inner(batch, n, request_id,
-                                                                     *rest)))
+    def prefers_lookup(match, costs):
+        own = routing.request_record(match.request_id)  # its own lookup steps so far
+        routed.append((match.length, own is not None and own.accepted < own.promised,
+                       inner(match, costs)))
         return routed[-1][2]
 
-    spec._lookup_pays = pays
+    routing.prefers_lookup = prefers_lookup
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
-    assert spec._by_match and all(v > 0 and 0 <= a <= 3 * v for v, a in spec._by_match.values())
+    records = routing.by_length
+    assert records and all(r.verifies > 0 and 0 <= r.accepted <= 3 * r.verifies
+                           for r in records.values())
     to_model = [(n, own_missed) for n, own_missed, to_lookup in routed if not to_lookup]
     if model_promises == 1.0:
         assert not to_model  # lookup's worst prior (1 + 0 accepted) still ties the model
     else:  # its length missed, or the request's own lookup steps did
-        assert to_model and all(own_missed or (n in spec._by_match and spec._by_match[n][1]
-                                               < 3 * spec._by_match[n][0])
+        assert to_model and all(own_missed or (n in records and records[n].accepted
+                                               < 3 * records[n].verifies)
                                 for n, own_missed in to_model)
-    assert not spec._match_of and llm.engine.kv.stats().used_blocks == 0
+    assert not routing.tracked and llm.engine.kv.stats().used_blocks == 0
 
 
 def test_a_request_whose_lookup_steps_miss_leaves_a_record_learned_elsewhere(
@@ -265,15 +275,17 @@ def test_a_request_whose_lookup_steps_miss_leaves_a_record_learned_elsewhere(
     spec = llm.engine.speculator
     spec.adaptive.choose = spec.lookup.choose = lambda batch, ids=(), left=None: 3
     spec.adaptive.expected_tokens = lambda k, ids=(): 2.5
-    spec._by_match.update({n: [1000.0, 3000.0] for n in range(1, 64)})
-    routed, inner = [], spec._lookup_pays
+    spec.routing = routing = LookupRouting(spec.routing.params, {
+        n: MatchRecord(verifies=1000.0, accepted=3000.0) for n in range(1, 64)})
+    routed, inner = [], routing.prefers_lookup
 
-    def pays(batch, n, request_id, *rest):
-        own = list(spec._lookup_of.get(request_id, (0.0, 0.0, 0.0)))
-        routed.append((request_id, own, inner(batch, n, request_id, *rest)))
+    def prefers_lookup(match, costs):
+        own = routing.request_record(match.request_id) or RequestRecord()
+        routed.append((match.request_id, (own.steps, own.accepted, own.promised),
+                       inner(match, costs)))
         return routed[-1][2]
 
-    spec._lookup_pays = pays
+    routing.prefers_lookup = prefers_lookup
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
     first = {}
     for rid, own, to_lookup in routed:
@@ -281,8 +293,8 @@ def test_a_request_whose_lookup_steps_miss_leaves_a_record_learned_elsewhere(
     assert all(own[0] == 0 and to_lookup for own, to_lookup in first.values())
     to_model = [own for _, own, to_lookup in routed if not to_lookup]
     assert to_model and all(steps > 0 and made < promised for steps, made, promised in to_model)
-    assert all(spec._lookup_expected(n) > 2.5 for n in spec._by_match)  # alone: lookup
-    assert not spec._lookup_of and not spec._match_of
+    assert all(routing.expected_tokens(n) > 2.5 for n in routing.by_length)  # alone: lookup
+    assert not routing.tracked
 
 
 def test_a_match_stays_with_lookup_in_a_model_step_only_where_it_promises_as_much(
@@ -298,20 +310,17 @@ def test_a_match_stays_with_lookup_in_a_model_step_only_where_it_promises_as_muc
     spec.adaptive.choose = spec.lookup.choose = lambda batch, ids=(), left=None: 3
     spec.adaptive.expected_tokens = lambda k, ids=(): 2.5
     spec.adaptive.cost, spec.lookup.cost = (lambda batch, k: 1.0), (lambda batch, k: 0.1)
-    inner, kept, passed = spec._propose_lookup_first, [], []
+    routing, kept, passed = spec.routing, [], []
+    inner = routing.route
 
-    def propose(sched, batch, candidates, *rest):
-        found = {r.request_id: spec._lookup(r, 1)[1] for r in candidates}
-        wanted, drafts, sources, planned = inner(sched, batch, candidates, *rest)
-        if any(source is spec.adaptive for source in sources):  # the model drafts
-            for w, source in zip(wanted, sources, strict=True):
-                n = found[w.request.request_id]
-                if n:
-                    (kept if source is spec.lookup else passed).append(
-                        spec._lookup_expected(n, w.request.request_id))
-        return wanted, drafts, sources, planned
+    def route(step, preferred, model_drafts):
+        decided = inner(step, preferred, model_drafts)
+        if model_drafts:  # the model drafts this step
+            for matches, into in ((decided.lookup, kept), (decided.passed_over, passed)):
+                into.extend(routing.expected_tokens(m.length, m.request_id) for m in matches)
+        return decided
 
-    spec._propose_lookup_first = propose
+    routing.route = route
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
     assert kept and all(tokens >= 2.5 for tokens in kept)
     assert passed and all(tokens < 2.5 for tokens in passed)
@@ -774,10 +783,10 @@ def test_head_trees_are_lossless(ngram_first, reference, llama_path, head_path, 
                   tree_max_batch=2))
     if ngram_first:  # chains: one-token matches to the head, longer to lookup (trees with k
         # fixed: every match joins the head's tree)
-        llm.engine.speculator._lookup_pays = lambda batch, n, *controllers: n > 1
+        llm.engine.speculator.routing.prefers_lookup = lambda match, costs: match.length > 1
     shapes = []
-    real_shape = llm.engine.speculator._tree_step
-    llm.engine.speculator._tree_step = lambda batch: shapes.append(
+    real_shape = llm.engine.speculator.tree_step
+    llm.engine.speculator.tree_step = lambda batch: shapes.append(
         (batch, real_shape(batch))) or shapes[-1][1]
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
     trees = [item.draft_parents for item in placed]
@@ -803,21 +812,21 @@ def test_with_k_fixed_a_match_joins_the_head_tree_however_lookup_has_paid(
               speculative_config=SpeculativeConfig(adaptive=False, tree_width=2,
                                                    ngram_first=True, tree_max_batch=2))
     spec = llm.engine.speculator
-    spec._lookup_pays = lambda batch, n, *rest: True
-    steps, inner = [], spec._propose_lookup_first
+    routing = spec.routing
+    routing.prefers_lookup = lambda match, costs: True
+    steps, inner = [], routing.route
 
-    def propose(sched, batch, candidates, width, *rest):
-        matched = sum(bool(spec._lookup(r, width)[0].token_ids) for r in candidates)
-        wanted, drafts, sources, planned = inner(sched, batch, candidates, width, *rest)
-        steps.append((width, matched, sum(s is not spec.adaptive for s in sources)))
-        return wanted, drafts, sources, planned
+    def route(step, preferred, model_drafts):
+        decided = inner(step, preferred, model_drafts)
+        steps.append((step.tree, len(step.matches), len(decided.lookup)))
+        return decided
 
-    spec._propose_lookup_first = propose
+    routing.route = route
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected  # trees late, chains
     one = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(ps, params, strict=True)]
     assert ids(one) == expected  # trees throughout
-    trees = [(matched, alone) for width, matched, alone in steps if width > 1]
-    chains = [(matched, alone) for width, matched, alone in steps if width == 1]
+    trees = [(matched, alone) for tree, matched, alone in steps if tree]
+    chains = [(matched, alone) for tree, matched, alone in steps if not tree]
     assert any(matched for matched, _ in trees) and not any(alone for _, alone in trees)
     assert any(alone for _, alone in chains)
 
@@ -858,7 +867,7 @@ def test_trees_of_up_to_31_drafts_are_lossless(kernels, reference, llama_path, h
               kernels=kernels, speculator=head_path, speculative_config=SpeculativeConfig(
                   adaptive=False, tree_width=8, tree_size=31, tree_min_prob=0.0, ngram_first=True,
                   tree_max_batch=8))
-    llm.engine.speculator._lookup_pays = lambda batch, n, *rest: False  # every match merges
+    llm.engine.speculator.routing.prefers_lookup = lambda match, costs: False  # all merge
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
     sizes = {item.num_draft_tokens for item in placed}
     assert 15 < max(sizes) <= 31 and len(sizes) > 1
@@ -875,9 +884,9 @@ def test_a_full_merged_tree_keeps_lookups_first_continuation_whole(reference, ll
                                                    tree_min_prob=0.0, ngram_first=True,
                                                    tree_max_batch=8))
     spec, merged = llm.engine.speculator, []
-    spec._lookup_pays = lambda batch, n, *rest: False  # every match merges
-    real = spec._merge
-    spec._merge = lambda lookup, model, depth: merged.append(
+    spec.routing.prefers_lookup = lambda match, costs: False  # every match merges
+    real = spec.routing.join
+    spec.routing.join = lambda lookup, model, depth: merged.append(
         (lookup, model, depth, real(lookup, model, depth))) or merged[-1][-1]
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
 
@@ -963,7 +972,7 @@ def test_a_tree_by_probability_leaves_lookups_other_continuations_out(llama_path
         llm = LLM(llama_path, dtype="float32", num_threads=1, speculator=head_path,
                   speculative_config=SpeculativeConfig(adaptive=False, tree_width=2,
                                                        tree_size=12, tree_min_prob=floor))
-        merged[floor] = llm.engine.speculator._merge(lookup, model, 3)
+        merged[floor] = llm.engine.speculator.routing.join(lookup, model, 3)
     assert merged[0.0] == Draft([1, 2, 3, 4, 5, 6, 7, 8], None, [-1, 0, 1, -1, 3, -1, -1, 6])
     assert merged[0.02] == Draft([1, 2, 3, 4, 5, 6], None, [-1, 0, 1, -1, 3, -1])
 
@@ -980,13 +989,14 @@ def test_adaptive_trees_measure_trees_and_chains_and_stay_lossless(ngram_first, 
     spec = llm.engine.speculator
     spec.shape.warmup = 3  # both shapes within this short run
     assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
-    tree_model, tree_lookup = spec._trees
-    assert tree_model is not spec.adaptive and tree_model._baseline is spec.adaptive._baseline
+    tree_model = spec.trees.model.controller
+    tree_lookup = spec.trees.lookup and spec.trees.lookup.controller
+    assert tree_model is not spec.adaptive and tree_model.shares_baseline(spec.adaptive)
     assert (tree_lookup is not None) == ngram_first
     assert tree_lookup is None or tree_lookup is not spec.lookup
-    assert spec.shape._seen[True] >= 3 and spec.shape._seen[False] >= 3
+    assert spec.shape.observations(True) >= 3 and spec.shape.observations(False) >= 3
     for shape in ((tree_model, tree_lookup), (spec.adaptive, spec.lookup)):
-        assert any(c is not None and sum(c._tried) > 0 for c in shape)  # drafts verified
+        assert any(c is not None and c.verifications > 0 for c in shape)  # drafts verified
     assert llm.engine.kv.stats().used_blocks == 0
 
 

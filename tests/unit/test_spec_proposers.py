@@ -22,7 +22,7 @@ from kiln.speculative.adaptive import AdaptiveK, TreeChoice, batch_bucket
 from kiln.speculative.ngram import TokenIndex, ngram_match, ngram_tree, propose_ngram
 from kiln.speculative.proposer import Draft, DraftTrie
 from kiln.speculative.resolve import resolve_speculative_config
-from kiln.speculative.speculator import Speculator
+from kiln.speculative.speculator import tokens_left
 
 
 def ngram(tokens, k=3, n_min=1, n_max=4):
@@ -521,13 +521,11 @@ def test_a_draining_batch_drafts_only_where_its_slowest_request_gains():
 
 
 def test_the_speculator_counts_tokens_left_by_max_tokens_or_the_context():
-    spec = Speculator.__new__(Speculator)
-    spec.max_model_len = 100
     request = SimpleNamespace(num_output_tokens=20, num_tokens=30,
                               params=SimpleNamespace(max_tokens=48))
-    assert spec._tokens_left(request) == 28
+    assert tokens_left(request, max_model_len=100) == 28
     request.params.max_tokens = None
-    assert spec._tokens_left(request) == 70
+    assert tokens_left(request, max_model_len=100) == 70
 
 
 def test_a_vllm_style_speculative_config_dict_maps_onto_kiln(tmp_path):

@@ -8,6 +8,7 @@ import random
 import torch
 
 from kiln.runner.sampler import Sampler, SamplingRow
+from kiln.runner.verify import VerifyGroup, verify
 from kiln.sampling_params import SamplingParams
 from kiln.speculative.shortlist import (
     SHORTLIST_MIN_ROWS,
@@ -15,7 +16,6 @@ from kiln.speculative.shortlist import (
     shortlist_applies,
     verify_shortlisted,
 )
-from kiln.speculative.verify import VerifyGroup, verify
 
 V, H = 40, 8
 

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from kiln.runner.sampler import Sampler, SamplingRow
-from kiln.sampling_params import SamplingParams
-from kiln.speculative.verify import (
+from kiln.runner.verify import (
     VerifyGroup,
     accept_greedy,
     accept_greedy_tree,
@@ -15,6 +14,7 @@ from kiln.speculative.verify import (
     accept_sampled_tree,
     verify,
 )
+from kiln.sampling_params import SamplingParams
 
 V = 6
 

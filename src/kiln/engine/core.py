@@ -23,6 +23,7 @@ from kiln.engine.limits import RequestError as RequestError  # re-exported: its 
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler
 from kiln.sampling_params import SamplingParams
+from kiln.structured.bitmask import GrammarRows
 from kiln.structured.hooks import StructuredHooks
 from kiln.structured.vocab import Vocabulary
 
@@ -90,6 +91,7 @@ class EngineCore:
         self.structured = StructuredHooks(config.structured, vocab.result(self.vocab_size),
                                            self.eos_token_ids)
         self.scheduler.token_check = self.structured.check_token
+        self.runner.grammar_rows = GrammarRows  # each step's bitmask (kiln.runner.hooks)
         self.speculator = None  # kiln.speculative: sets draft tokens after each step
         if config.speculative is not None:
             from kiln.speculative.speculator import build_speculator

@@ -55,7 +55,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.spec_token_ids: list[int] = []
-        # the proposer's distribution for each draft (opaque here; kiln.speculative.verify reads it),
+        # the proposer's distribution for each draft (opaque here; kiln.runner.verify reads it),
         # or None: drafts were chosen deterministically
         self.spec_draft_probs = None
         # the drafts' parents when they form a tree (kiln.speculative, ScheduledRequest.draft_parents)

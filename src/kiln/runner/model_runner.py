@@ -19,10 +19,9 @@ from kiln.models.layers.ops import get_ops
 from kiln.models.loader import load_model
 from kiln.runner.attention import get_attention_backend
 from kiln.runner.batch import BatchInputs, LogitsRows, build_batch
+from kiln.runner.hooks import NoGrammar, StepGrammar, StepGrammarFactory, VerifyShortlist
 from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs, take_rows
-from kiln.speculative.shortlist import Shortlist, shortlist_applies, verify_shortlisted
-from kiln.speculative.verify import VerifyGroup, verify
-from kiln.structured.bitmask import GrammarRows
+from kiln.runner.verify import VerifyGroup, verify
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ class SamplePlan:
     index: list[int]
     groups: list[VerifyGroup]
     owners: list[int]
-    grammar_rows: GrammarRows
+    grammar_rows: StepGrammar
 
 
 @dataclass
@@ -104,7 +103,9 @@ class ModelRunner:
         self.keep_hidden = False  # set by kiln.speculative proposers that read hidden states
         # set by kiln.speculative proposers with a draft vocabulary: greedy verify steps score the
         # whole vocabulary only on the rows the walk visits (kiln.speculative.shortlist)
-        self.shortlist: Shortlist | None = None
+        self.shortlist: VerifyShortlist | None = None
+        # set by the composition root: each step's grammar bitmask (kiln.structured.bitmask)
+        self.grammar_rows: StepGrammarFactory = NoGrammar
         self.last_step: StepHidden | None = None
 
     def _attention_backend(self, config: ModelConfig) -> str:
@@ -160,15 +161,15 @@ class ModelRunner:
             return False
         prompt_lp_or_grammar = any(item.prompt_logprobs or item.grammar is not None
                                    for item in sched.scheduled)
-        return shortlist_applies(plan.rows, plan.groups, prompt_lp_or_grammar)
+        return self.shortlist.applies(plan.rows, plan.groups, prompt_lp_or_grammar)
 
     def _outputs_shortlisted(self, sched: SchedulerOutput, batch: BatchInputs,
                              hidden: torch.Tensor, plan: SamplePlan) -> RunnerOutput:
         """A greedy verify step's outputs with the LM head on the rows the walk visits
         only (kiln.speculative.shortlist)."""
-        tokens, paths = verify_shortlisted(
-            self.shortlist, hidden[batch.logits_index[plan.index]], plan.rows, plan.groups,
-            self.sampler, self.model.compute_logits)
+        tokens, paths = self.shortlist.verify(
+            hidden[batch.logits_index[plan.index]], plan.rows, plan.groups, self.sampler,
+            self.model.compute_logits)
         result: list[list[int]] = [[] for _ in sched.scheduled]
         owned: list[list[int] | None] = [None] * len(sched.scheduled)
         for owner, toks, path in zip(plan.owners, tokens, paths, strict=True):
@@ -226,7 +227,7 @@ class ModelRunner:
 
     def _plan(self, scheduled: list[ScheduledRequest], rows: list[LogitsRows]) -> SamplePlan:
         """The step's sampling rows: a request with drafts has 1 + k of them."""
-        plan = SamplePlan([], [], [], [], GrammarRows(self.vocab_size))
+        plan = SamplePlan([], [], [], [], self.grammar_rows(self.vocab_size))
         for i, (item, r) in enumerate(zip(scheduled, rows, strict=True)):
             if not r.num_sample:
                 continue
@@ -244,7 +245,7 @@ class ModelRunner:
     def _sample(self, scheduled: list[ScheduledRequest], plan: SamplePlan,
                 logits: torch.Tensor):
         """Sample each request's row; a request with drafts has 1 + k rows, and
-        kiln.speculative.verify decides which drafts stand and adds one token after them."""
+        kiln.runner.verify decides which drafts stand and adds one token after them."""
         result = [[] for _ in scheduled]
         paths: list[list[int] | None] = [None] * len(scheduled)
         want_logprobs = any(item.params.logprobs is not None for item in scheduled)

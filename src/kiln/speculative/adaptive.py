@@ -160,6 +160,14 @@ class AdaptiveK:
         every drafting arm is judged against."""
         self._baseline = other._baseline
 
+    def shares_baseline(self, other: AdaptiveK) -> bool:
+        return self._baseline is other._baseline
+
+    @property
+    def verifications(self) -> float:
+        """Verifications of this controller's drafts so far (decayed, over all traffic)."""
+        return self._tried[0] if self._tried else 0.0
+
     # -- decisions ------------------------------------------------------------------------
 
     def choose(self, batch_size: int, request_ids: Sequence[str] = (),
@@ -329,6 +337,10 @@ class TreeChoice:
                                   self.max_probe_every)
         self._probe = (self._steps + interval, interval, best)
         return not best
+
+    def observations(self, tree: bool) -> int:
+        """Decode steps of this shape observed so far."""
+        return self._seen[tree]
 
     def rate(self, tree: bool) -> float:
         """Tokens per sequence per unit of cost (1 = a step without drafts)."""

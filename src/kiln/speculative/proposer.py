@@ -151,19 +151,25 @@ class ProposerContext:
 
 
 class Proposer(Protocol):
-    def propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]) -> list[Draft]: ...
+    """What the speculator calls (see the module docstring for the lifecycle)."""
 
-    def release(self, request_ids: list[str]) -> None: ...
+    def propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]) -> list[Draft]:
+        """One `Draft` per entry of `wanted` (empty: no guess); mutates no request."""
+        ...
+
+    def release(self, request_ids: list[str]) -> None:
+        """Drop the state of these ended requests."""
+        ...
 
 
 ProposerFactory = Callable[["SpeculativeConfig", ProposerContext], Proposer]
-_PROPOSERS: dict[str, ProposerFactory] = {}
-_BUILTIN = {"ngram": "kiln.speculative.ngram", "draft": "kiln.speculative.draft", "head": "kiln.speculative.head.proposer"}
+_PROPOSERS: dict[str, ProposerFactory] = {}  # SpeculativeConfig.method -> factory
 
 
 def register_proposer(name: str) -> Callable[[ProposerFactory], ProposerFactory]:
     """Decorator: make a proposer (a class or factory taking (config, context)) buildable by
-    `SpeculativeConfig.method`."""
+    `SpeculativeConfig.method`. The built-in ones register when their modules are imported
+    (`kiln.speculative.register_builtin_proposers`); this module imports none of them."""
     def wrap(factory: ProposerFactory) -> ProposerFactory:
         _PROPOSERS[name] = factory
         return factory
@@ -171,12 +177,10 @@ def register_proposer(name: str) -> Callable[[ProposerFactory], ProposerFactory]
 
 
 def build_proposer(config: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
-    """The proposer `config.method` names (`config` resolved: `SpeculativeConfig.resolved`)."""
-    if config.method not in _PROPOSERS and config.method in _BUILTIN:
-        import importlib
-        importlib.import_module(_BUILTIN[config.method])
-    if config.method not in _PROPOSERS:
-        known = sorted(set(_PROPOSERS) | set(_BUILTIN))
+    """The registered proposer `config.method` names (`config` resolved:
+    `SpeculativeConfig.resolved`)."""
+    factory = _PROPOSERS.get(config.method)
+    if factory is None:
         raise ValueError(f"unknown speculative method {config.method!r}; known: "
-                         f"{', '.join(known)}")
-    return _PROPOSERS[config.method](config, ctx)
+                         f"{', '.join(sorted(_PROPOSERS))}")
+    return factory(config, ctx)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.runner.sampler import Sampler, SamplingRow
-from kiln.speculative.verify import VerifyGroup, accept_greedy, accept_greedy_tree
+from kiln.runner.verify import VerifyGroup, accept_greedy, accept_greedy_tree
 
 # Sampling rows in a step from which the shortlist pays. The LM head's cost hardly grows up to
 # ~4 rows (its weights come from memory), and the shortlist's round costs about that of 3 to
@@ -48,6 +48,17 @@ class Shortlist:
         """Each row's likeliest token among the shortlist's."""
         return self.ids[self.lm(hidden).argmax(dim=-1)].tolist()
 
+    # kiln.runner.hooks.VerifyShortlist: what the runner calls
+
+    def applies(self, rows: list[SamplingRow], groups: list[VerifyGroup],
+                prompt_logprobs_or_grammar: bool) -> bool:
+        return shortlist_applies(rows, groups, prompt_logprobs_or_grammar)
+
+    def verify(self, hidden: torch.Tensor, rows: list[SamplingRow], groups: list[VerifyGroup],
+               sampler: Sampler, logits_of: Callable[[torch.Tensor], torch.Tensor]
+               ) -> tuple[list[list[int]], list[list[int] | None]]:
+        return verify_shortlisted(self, hidden, rows, groups, sampler, logits_of)
+
 
 def shortlist_applies(rows: list[SamplingRow], groups: list[VerifyGroup],
                       prompt_logprobs_or_grammar: bool) -> bool:
@@ -63,7 +74,7 @@ def verify_shortlisted(shortlist: Shortlist, hidden: torch.Tensor, rows: list[Sa
                        groups: list[VerifyGroup], sampler: Sampler,
                        logits_of: Callable[[torch.Tensor], torch.Tensor]
                        ) -> tuple[list[list[int]], list[list[int] | None]]:
-    """Greedy verification of `groups` (see kiln.speculative.verify) from their sampling rows'
+    """Greedy verification of `groups` (see kiln.runner.verify) from their sampling rows'
     final hidden states [R, H]; `logits_of(hidden rows)` is the target's full LM head.
     Returns each group's emitted tokens and, for trees, its accepted path."""
     guess = shortlist.guess(hidden)

@@ -1,4 +1,5 @@
-"""The grammar bitmask of one step, for the whole batch at once.
+"""The grammar bitmask of one step, for the whole batch at once (the runner's
+`kiln.runner.hooks.StepGrammar`; the composition root hands `GrammarRows` to the runner).
 
 The runner registers each constrained request's sampling rows (`add`), then `fill` builds one
 packed int32 bitmask in xgrammar's layout [rows, ceil(V / 32)] (bit j of word w allows token
@@ -38,10 +39,11 @@ class GrammarRows:
         self.vocab_size = vocab_size
         self.entries: list[_Entry] = []
 
-    def add(self, constraint: TokenConstraint | None, first_row: int, drafts: list[int]) -> None:
-        """Register a request's rows first_row..first_row + len(drafts) if it is constrained."""
-        if constraint is not None and constraint.active:
-            self.entries.append(_Entry(constraint, first_row, list(drafts)))
+    def add(self, grammar: TokenConstraint | None, first_row: int, drafts: list[int]) -> None:
+        """Register a request's rows first_row..first_row + len(drafts) if it is constrained
+        (`grammar`: the request's, which kiln.structured made)."""
+        if grammar is not None and grammar.active:
+            self.entries.append(_Entry(grammar, first_row, list(drafts)))
 
     def fill(self, rows: list[SamplingRow]) -> torch.Tensor | None:
         """The packed bitmask [len(rows), ceil(V / 32)]: a constrained row's mask sits at its
