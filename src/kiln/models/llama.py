@@ -145,7 +145,7 @@ def norm_eps(layer: LlamaDecoderLayer) -> float:
 class LlamaModel(nn.Module):
     def __init__(self, a: LlamaArch, method_for: MethodFor, dtype, backend, ops):
         super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype, device="cpu")
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(a, f"model.layers.{i}", method_for, dtype, backend, ops)

@@ -90,7 +90,8 @@ class ModelRunner:
         self.backend = get_attention_backend(self.platform.attention_backend)
         loaded = load_model(model_path, self.dtype, self.backend, model_config.quantization,
                             model_config.linear_backend, self.ops)
-        self.model, self.hf_config = loaded.model, loaded.hf_config
+        # built and loaded on the CPU (the LinearMethod contract), then on the platform's device
+        self.model, self.hf_config = loaded.model.to(self.device), loaded.hf_config
         # the decoder stack as one call where the platform and every layer allow it
         self.stack = self._stack_weights()
         arch = self.model.arch
