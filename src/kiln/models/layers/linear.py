@@ -18,7 +18,8 @@ Contract of a method, in lifecycle order:
      reads them (kiln.runner.fused_stack), or None where that stack cannot run this layer;
      the stack then declines and the layers run one call each.
 
-Quantized formats register themselves when kiln.quant is imported (the composition root does).
+Quantized formats register themselves when kiln.quant is imported (by whoever builds an engine;
+models never import it).
 A sharded linear (tensor parallelism) is one more method: it creates and loads only its rank's
 rows or columns, reduces its output through a collective in `apply`, and returns None from
 `stack_tensors` (the fused stack has no collective).
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StackTensors:
     """One linear as `kiln::llama_stack` reads it."""
 
