@@ -19,6 +19,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import kiln.quant  # noqa: F401  (registers --quantization's formats)
 from kiln.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from kiln.engine.core import EngineCore, EngineRequest
 from kiln.models.default import pull_default_model

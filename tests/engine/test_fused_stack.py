@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-import kiln.models.llama as llama
 from kiln import LLM, SamplingParams
-from kiln.runner import cpu_ops
+from kiln.runner import cpu_ops, fused_stack
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="kiln CPU kernels did not build")
 
@@ -27,19 +26,19 @@ def llm(tiny_ckpt):
 @pytest.fixture(scope="module")
 def layered_llm(tiny_ckpt):
     llm = tiny_llm(tiny_ckpt)
-    llm.engine.runner.model._stack = {}  # {}: never fused
+    llm.engine.runner.stack = None  # None: never fused
     return llm
 
 
 def run(llm, monkeypatch, calls: list) -> list:
     """Greedy with logprobs on fresh prompts, then again after their cached prefixes."""
-    real = llama.fused_stack
+    real = fused_stack.fused_stack
 
     def counted(*args):
         calls.append(args[1].shape[0])
         return real(*args)
 
-    monkeypatch.setattr(llama, "fused_stack", counted)
+    monkeypatch.setattr(fused_stack, "fused_stack", counted)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     outs += llm.generate([{"prompt_token_ids": p + [7, 8, 9]} for p in PROMPTS], params)
@@ -48,16 +47,16 @@ def run(llm, monkeypatch, calls: list) -> list:
 
 
 def test_fused_stack_is_bit_identical_to_the_layer_path(llm, layered_llm, monkeypatch):
-    stack = llama.stack_weights(llm.engine.runner.model)
-    if not stack:
+    stack = llm.engine.runner.stack
+    if stack is None:
         pytest.skip("this machine's model is not on the fast path")
     fused_calls, layer_calls = [], []
     fused = run(llm, monkeypatch, fused_calls)
     layered = run(layered_llm, monkeypatch, layer_calls)
     assert layer_calls == [] and len(PROMPTS) in fused_calls  # decode steps fused
-    if stack["max_tokens"] > max(len(p) for p in PROMPTS):  # oneDNN: prefill fused too
+    if stack.max_tokens > max(len(p) for p in PROMPTS):  # oneDNN: prefill fused too
         assert max(fused_calls) > len(PROMPTS)
-    assert max(fused_calls) <= stack["max_tokens"]
+    assert max(fused_calls) <= stack.max_tokens
     assert fused == layered  # tokens and logprobs, exactly
 
 
@@ -68,10 +67,10 @@ def test_bf16_fp32_weights_fuse_on_decode_steps_only(tiny_ckpt, monkeypatch):
     from kiln.models.layers.cpu_bf16 import BF16_GEMM_MAX_TOKENS
 
     fused_llm = tiny_llm(tiny_ckpt, linear_backend="bf16-fp32")
-    stack = llama.stack_weights(fused_llm.engine.runner.model)
-    assert stack["plain_bf16"] and stack["max_tokens"] == BF16_GEMM_MAX_TOKENS
+    stack = fused_llm.engine.runner.stack
+    assert stack.plain_bf16 and stack.max_tokens == BF16_GEMM_MAX_TOKENS
     layered_llm = tiny_llm(tiny_ckpt, linear_backend="bf16-fp32")
-    layered_llm.engine.runner.model._stack = {}
+    layered_llm.engine.runner.stack = None
     fused_calls, layer_calls = [], []
     fused = run(fused_llm, monkeypatch, fused_calls)
     layered = run(layered_llm, monkeypatch, layer_calls)
@@ -83,7 +82,7 @@ def test_bf16_fp32_weights_fuse_on_decode_steps_only(tiny_ckpt, monkeypatch):
 def test_hooks_turn_the_fused_path_off(tiny_ckpt, monkeypatch):
     llm = tiny_llm(tiny_ckpt)
     model = llm.engine.runner.model
-    if not llama.stack_weights(model):
+    if llm.engine.runner.stack is None:
         pytest.skip("this machine's model is not on the oneDNN fast path")
     seen = []
     handle = model.model.layers[1].mlp.down_proj.register_forward_hook(
@@ -101,24 +100,24 @@ def test_hooks_turn_the_fused_path_off(tiny_ckpt, monkeypatch):
 def test_reference_ops_never_fuse(tiny_ckpt):
     path = tiny_ckpt("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=3)
     llm = LLM(path, dtype="bfloat16", kv_cache_memory=16 << 20, num_threads=1, kernels="torch")
-    assert llama.stack_weights(llm.engine.runner.model) == {}
+    assert llm.engine.runner.stack is None
     fp32 = LLM(path, dtype="float32", kv_cache_memory=16 << 20, num_threads=1)
-    assert llama.stack_weights(fp32.engine.runner.model) == {}
+    assert fp32.engine.runner.stack is None
 
 
 def test_int8_weights_fuse_on_decode_steps_only(tiny_ckpt, monkeypatch):
     """Weight-only int8 layers run kiln's int8 GEMV inside the stack on decode-sized steps
     (prefill steps go layer by layer) with the same bits as the per-layer path."""
     fused_llm = tiny_llm(tiny_ckpt, quantization="int8")
-    if not llama.stack_weights(fused_llm.engine.runner.model):
+    if fused_llm.engine.runner.stack is None:
         pytest.skip("this machine's model is not on the fast path")
     layered_llm = tiny_llm(tiny_ckpt, quantization="int8")
-    layered_llm.engine.runner.model._stack = {}
+    layered_llm.engine.runner.stack = None
     fused_calls, layer_calls = [], []
     fused = run(fused_llm, monkeypatch, fused_calls)
     layered = run(layered_llm, monkeypatch, layer_calls)
     assert layer_calls == [] and fused_calls
-    assert max(fused_calls) <= llama.stack_weights(fused_llm.engine.runner.model)["max_tokens"]
+    assert max(fused_calls) <= fused_llm.engine.runner.stack.max_tokens
     assert fused == layered
 
 
@@ -130,10 +129,10 @@ def test_draft_trees_fuse_with_the_same_bits(tiny_ckpt, monkeypatch):
 
     spec = SpeculativeConfig(adaptive=False, tree_width=3, tree_max_batch=8)
     fused_llm = tiny_llm(tiny_ckpt, speculator="ngram", speculative_config=spec)
-    if not llama.stack_weights(fused_llm.engine.runner.model):
+    if fused_llm.engine.runner.stack is None:
         pytest.skip("this machine's model is not on the fast path")
     layered_llm = tiny_llm(tiny_ckpt, speculator="ngram", speculative_config=spec)
-    layered_llm.engine.runner.model._stack = {}
+    layered_llm.engine.runner.stack = None
     trees = []
     real = batch._place_tree
     monkeypatch.setattr(batch, "_place_tree", lambda item, *a: trees.append(

@@ -90,7 +90,7 @@ def test_greedy_decode_matches_the_reference_path(llama_path, monkeypatch, dtype
               num_threads=2, enable_prefix_caching=False)
     # layer by layer, where each linear's kernel choice is visible (tests/engine/
     # test_fused_stack.py holds the fused stack's int8 path to this one)
-    llm.engine.runner.model._stack = {}
+    llm.engine.runner.stack = None
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [{"prompt_token_ids": [1, 5, 9, 14, 3, 7]}, {"prompt_token_ids": list(range(2, 30))}]
 

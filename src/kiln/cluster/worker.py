@@ -282,6 +282,8 @@ def run_worker(config: WorkerConfig, incarnation: int = 0,
                on_start: Callable[[Worker], None] | None = None) -> int:
     """Load the engine, serve until told to stop; the process exit status. `on_start` gets
     the worker before it runs (kiln worker wires SIGTERM to `worker.goodbye` there)."""
+    import kiln.quant  # noqa: F401  (registers the quantized formats; until kiln/assembly.py)
+
     engine = EngineCore(config.engine, emit_kv_events=True)
     ctx, sock = connect(config, incarnation)
     worker = Worker(config, engine, sock)

@@ -57,6 +57,8 @@ class LLM:
             parallel=ParallelConfig(num_threads=num_threads),
             speculative=resolve_speculative_config(speculator, speculative_config),
             structured=StructuredConfig(repetition_guard=repetition_guard))
+        import kiln.quant  # noqa: F401  (registers the quantized formats; until kiln/assembly.py)
+
         self.engine = EngineCore(config)
         self.tokenizer = load_tokenizer(tokenizer or self.engine.model_path)
         self._ids = itertools.count()

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.models.layers.linear import Linear, register_linear_method, shard_rows
+from kiln.models.layers.linear import Linear, StackTensors, register_linear_method, shard_rows
 from kiln.quant.formats import (
     Int4Format,
     StoredTensor,
@@ -45,6 +45,7 @@ from kiln.quant.formats import (
     get_format,
 )
 from kiln.quant.kernels import (
+    INT8_GEMV_MAX_TOKENS,
     int4_kernel_group,
     int4_kernel_pack,
     int4_kernel_unavailable,
@@ -187,6 +188,9 @@ class QuantLinearMethod:
             out["bias"] = layer.bias[rows]
         return {name: t.clone() for name, t in out.items()}
 
+    def stack_tensors(self, layer: Linear) -> StackTensors | None:
+        return None  # the fused stack reads weight-only int8 only (Int8LinearMethod)
+
 
 class Int8LinearMethod(QuantLinearMethod):
     """int8 weights: int8 kernels where they are fast, the reference path otherwise.
@@ -211,6 +215,13 @@ class Int8LinearMethod(QuantLinearMethod):
             return super().matmul(layer, x2)
         y = acc.float() * xq["weight_scale"] * layer.weight_scale.reshape(1, -1)
         return y.to(x2.dtype)
+
+    def stack_tensors(self, layer: Linear) -> StackTensors | None:
+        """Weight-only int8 rows and their scales for the stack's int8 GEMV, which serves
+        decode-sized steps only."""
+        if self.act_quant or layer.bias is not None or layer.weight.dtype != torch.int8:
+            return None
+        return StackTensors(layer.weight, layer.weight_scale, max_tokens=INT8_GEMV_MAX_TOKENS)
 
 
 class Int4LinearMethod(QuantLinearMethod):

@@ -18,31 +18,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kiln.models.layers.attention import AttentionBackend, SeqLayout
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SeqLayout:
-    """Where each scheduled sequence's tokens sit in the flat batch (all [num_seqs], int64)."""
-
-    query_start: torch.Tensor  # first flat index of the sequence's tokens
-    query_lens: torch.Tensor  # tokens computed this step (prefill chunk, 1, or 1 + drafts)
-    context_lens: torch.Tensor  # tokens already in the cache before this step
-    block_table: torch.Tensor  # [num_seqs, max_blocks] block ids, padded with 0
-    # [T] int64 over the whole flat batch, or None: a token's nonzero entry m makes it attend,
-    # among its own sequence's query tokens, only those j with bit j of m set (a draft tree:
-    # its ancestors and itself; kiln.speculative); 0 = causal as usual. Only short queries carry trees.
-    tree_mask: torch.Tensor | None = None
-
-    @property
-    def seq_lens(self) -> torch.Tensor:
-        return self.context_lens + self.query_lens
 
 
 @dataclass
@@ -59,19 +42,6 @@ class PaddedLayout:
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each flat token
     padded: PaddedLayout
-
-
-class AttentionBackend(Protocol):
-    def build_metadata(self, layout: SeqLayout, positions: torch.Tensor, block_size: int,
-                       slot_mapping: torch.Tensor | None = None) -> TorchAttentionMetadata:
-        """slot_mapping: the tokens' cache slots where the caller has them already (else
-        `slot_mapping_for`)."""
-        ...
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]; writes k/v into `kv_cache`."""
-        ...
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
@@ -93,21 +63,22 @@ def get_attention_backend(name: str) -> AttentionBackend:
 def slot_mapping_for(layout: SeqLayout, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """[T] cache slot of each flat token: its sequence's block at position // block_size."""
     seq_of_token = torch.repeat_interleave(
-        torch.arange(len(layout.query_lens)), layout.query_lens, output_size=len(positions))
+        torch.arange(len(layout.query_lens), device=positions.device), layout.query_lens,
+        output_size=len(positions))
     blocks = layout.block_table[seq_of_token, positions // block_size]
     return blocks * block_size + positions % block_size
 
 
 def build_padded_layout(layout: SeqLayout, block_size: int) -> PaddedLayout:
     """Index tensors and mask for the padded reference path over the sequences in `layout`."""
-    num_seqs = len(layout.query_lens)
+    num_seqs, device = len(layout.query_lens), layout.query_lens.device
     q_max = int(layout.query_lens.max())
     k_max = int(layout.seq_lens.max())
-    q_off = torch.arange(q_max)
+    q_off = torch.arange(q_max, device=device)
     q_valid = q_off[None, :] < layout.query_lens[:, None]  # [S, Qmax]
     query_index = torch.where(q_valid, layout.query_start[:, None] + q_off, 0)
     q_pos = torch.where(q_valid, layout.context_lens[:, None] + q_off, 0)  # pads see key 0
-    k_pos = torch.arange(k_max)
+    k_pos = torch.arange(k_max, device=device)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Qmax, Kmax]
     if layout.tree_mask is not None:
         mask = _tree_visibility(layout, query_index, q_valid, k_pos, mask)
@@ -116,7 +87,7 @@ def build_padded_layout(layout: SeqLayout, block_size: int) -> PaddedLayout:
         max=layout.block_table.shape[1] - 1)]
     key_slots = k_blocks * block_size + k_pos % block_size
     key_slots = torch.where(k_pos[None, :] < layout.seq_lens[:, None], key_slots, 0)
-    output_index = (torch.arange(num_seqs)[:, None] * q_max + q_off)[q_valid]
+    output_index = (torch.arange(num_seqs, device=device)[:, None] * q_max + q_off)[q_valid]
     return PaddedLayout(query_index, key_slots, mask, output_index)
 
 
@@ -192,7 +163,7 @@ def long_queries(layout: SeqLayout, block_size: int) -> list[LongQuery]:
     for start, n, context, blocks in zip(layout.query_start.tolist(), layout.query_lens.tolist(),
                                          layout.context_lens.tolist(), layout.block_table,
                                          strict=True):
-        pos = torch.arange(context + n)
+        pos = torch.arange(context + n, device=blocks.device)
         out.append(LongQuery(start, n, blocks[pos // block_size] * block_size + pos % block_size))
     return out
 
@@ -257,7 +228,7 @@ class CpuPagedAttention:
         k_cache, v_cache = kv_cache
         torch.ops.kiln.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         heads, head_dim = q.shape[1], q.shape[2]
-        out = torch.empty(meta.num_tokens, heads * head_dim, dtype=q.dtype)
+        out = torch.empty(meta.num_tokens, heads * head_dim, dtype=q.dtype, device=q.device)
         if meta.short is not None:
             s = meta.short
             torch.ops.kiln.paged_attention(out, q, k_cache, v_cache, s.block_table,

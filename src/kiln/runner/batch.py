@@ -20,7 +20,7 @@ import torch
 
 from kiln.config import MAX_TREE_DRAFTS
 from kiln.engine.scheduler import SchedulerOutput, tree_depths
-from kiln.runner.attention import SeqLayout
+from kiln.models.layers.attention import SeqLayout
 
 
 @dataclass
@@ -44,7 +44,8 @@ class BatchInputs:
     rows: list[LogitsRows]  # per scheduled request
 
 
-def build_batch(sched: SchedulerOutput) -> BatchInputs:
+def build_batch(sched: SchedulerOutput, device: torch.device) -> BatchInputs:
+    """The step's flat batch, its tensors on `device`."""
     token_ids: list[int] = []
     starts, lens, ctx, tables = [], [], [], []
     logits_index: list[int] = []
@@ -59,20 +60,22 @@ def build_batch(sched: SchedulerOutput) -> BatchInputs:
         rows.append(_logits_rows(item, q_start, n, logits_index))
     width = max(len(t) for t in tables)
     layout = SeqLayout(
-        query_start=torch.tensor(starts), query_lens=torch.tensor(lens),
-        context_lens=torch.tensor(ctx),
-        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]))
+        query_start=torch.tensor(starts, device=device),
+        query_lens=torch.tensor(lens, device=device),
+        context_lens=torch.tensor(ctx, device=device),
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device))
     slot_positions = _positions(layout, len(token_ids))
     positions = slot_positions
     trees = [(start, item) for start, item in zip(starts, sched.scheduled, strict=True)
              if item.draft_parents is not None and item.num_draft_tokens]
     if trees:
         positions = slot_positions.clone()
-        layout.tree_mask = torch.zeros(len(token_ids), dtype=torch.int64)
+        layout.tree_mask = torch.zeros(len(token_ids), dtype=torch.int64, device=device)
         for start, item in trees:
             _place_tree(item, start, positions, layout.tree_mask)
-    return BatchInputs(torch.tensor(token_ids), positions, slot_positions, layout,
-                       torch.tensor(logits_index, dtype=torch.int64), rows)
+    return BatchInputs(torch.tensor(token_ids, device=device), positions, slot_positions,
+                       layout, torch.tensor(logits_index, dtype=torch.int64, device=device),
+                       rows)
 
 
 MAX_TREE_QUERY = MAX_TREE_DRAFTS + 1  # a tree's query: its root (the last known token) + drafts
@@ -92,8 +95,9 @@ def _place_tree(item, q_start: int, positions: torch.Tensor, tree_mask: torch.Te
     for i, parent in enumerate(parents):
         bits.append((known if parent < 0 else bits[parent]) | 1 << (root + 1 + i))
     at = q_start + root + 1
-    positions[at:at + d] = item.start_pos + root + torch.tensor(tree_depths(parents))
-    tree_mask[at:at + d] = torch.tensor(bits)
+    positions[at:at + d] = item.start_pos + root + torch.tensor(tree_depths(parents),
+                                                                device=positions.device)
+    tree_mask[at:at + d] = torch.tensor(bits, device=tree_mask.device)
 
 
 def _logits_rows(item, q_start: int, n: int, logits_index: list[int]) -> LogitsRows:
@@ -112,7 +116,9 @@ def _logits_rows(item, q_start: int, n: int, logits_index: list[int]) -> LogitsR
 
 
 def _positions(layout: SeqLayout, num_tokens: int) -> torch.Tensor:
+    device = layout.query_lens.device
     seq_of_token = torch.repeat_interleave(
-        torch.arange(len(layout.query_lens)), layout.query_lens, output_size=num_tokens)
-    return (torch.arange(num_tokens) - layout.query_start[seq_of_token]
+        torch.arange(len(layout.query_lens), device=device), layout.query_lens,
+        output_size=num_tokens)
+    return (torch.arange(num_tokens, device=device) - layout.query_start[seq_of_token]
             + layout.context_lens[seq_of_token])

@@ -27,18 +27,19 @@ def block_shape(kv_caches: KVCaches, num_blocks: int, block_size: int) -> tuple[
     return (len(kv_caches), 2, num_blocks * block_size, heads, dim)
 
 
-def _slots(block_ids: Sequence[int], block_size: int) -> torch.Tensor:
-    ids = torch.tensor(list(block_ids), dtype=torch.long)
-    return (ids[:, None] * block_size + torch.arange(block_size)).flatten()
+def _slots(block_ids: Sequence[int], block_size: int, device: torch.device) -> torch.Tensor:
+    ids = torch.tensor(list(block_ids), dtype=torch.long, device=device)
+    return (ids[:, None] * block_size + torch.arange(block_size, device=device)).flatten()
 
 
 @torch.inference_mode()
 def export_blocks(kv_caches: KVCaches, block_ids: Sequence[int],
                   block_size: int) -> torch.Tensor:
     """A contiguous copy of the blocks' K and V, [L, 2, n * block_size, Hkv, D]."""
-    slots = _slots(block_ids, block_size)
-    out = torch.empty(block_shape(kv_caches, len(block_ids), block_size),
-                      dtype=kv_caches[0][0].dtype)
+    cache = kv_caches[0][0]
+    slots = _slots(block_ids, block_size, cache.device)
+    out = torch.empty(block_shape(kv_caches, len(block_ids), block_size), dtype=cache.dtype,
+                      device=cache.device)
     for layer, (k, v) in enumerate(kv_caches):
         torch.index_select(k, 0, slots, out=out[layer, 0])
         torch.index_select(v, 0, slots, out=out[layer, 1])
@@ -50,7 +51,7 @@ def import_blocks(kv_caches: KVCaches, block_ids: Sequence[int], block_size: int
                   data: torch.Tensor) -> None:
     """Write `data` ([L, 2, n * block_size, Hkv, D], as `export_blocks` made it) into the
     blocks `block_ids` (n of them). The caller has checked shape and dtype."""
-    slots = _slots(block_ids, block_size)
+    slots = _slots(block_ids, block_size, kv_caches[0][0].device)
     for layer, (k, v) in enumerate(kv_caches):
         k.index_copy_(0, slots, data[layer, 0])
         v.index_copy_(0, slots, data[layer, 1])

@@ -15,8 +15,11 @@ import torch
 from kiln.config import CacheConfig, ModelConfig, ParallelConfig, default_num_threads
 from kiln.engine.contract import RunnerOutput, TokenLogprobs
 from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
-from kiln.models.layers.ops import get_ops
+from kiln.models.layers.attention import AttentionMetadata
+from kiln.models.layers.ops import ops_for
 from kiln.models.loader import load_model
+from kiln.platform import KernelSet, Platform
+from kiln.runner import fused_stack
 from kiln.runner.attention import get_attention_backend
 from kiln.runner.batch import BatchInputs, LogitsRows, build_batch
 from kiln.runner.hooks import NoGrammar, StepGrammar, StepGrammarFactory, VerifyShortlist
@@ -24,10 +27,6 @@ from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs, take_row
 from kiln.runner.verify import VerifyGroup, verify
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-           "auto": torch.bfloat16}
-
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -39,12 +38,8 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    return _DTYPES[name]
 
 
 def num_kv_blocks(spec: KVCacheSpec, cache: CacheConfig, max_model_len: int,
@@ -87,18 +82,23 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_path: str, cache: CacheConfig,
                  parallel: ParallelConfig, eos_token_ids: frozenset[int]):
         torch.set_num_threads(parallel.num_threads or default_num_threads())
-        self.dtype = resolve_dtype(model_config.dtype)
-        self.ops = get_ops({"cpp": "kernels"}.get(model_config.kernels, model_config.kernels))
-        self.backend = get_attention_backend(self._attention_backend(model_config))
+        self.platform = Platform.detect(model_config)
+        log.info("platform: %s", self.platform.describe())
+        self.dtype, self.device = self.platform.dtype, self.platform.device
+        self.ops = ops_for(self.platform.kernels)
+        self.backend = get_attention_backend(self.platform.attention_backend)
         loaded = load_model(model_path, self.dtype, self.backend, model_config.quantization,
                             model_config.linear_backend, self.ops)
-        self.model, self.hf_config = loaded.model, loaded.hf_config
+        # built and loaded on the CPU (the LinearMethod contract), then on the platform's device
+        self.model, self.hf_config = loaded.model.to(self.device), loaded.hf_config
+        # the decoder stack as one call where the platform and every layer allow it
+        self.stack = self._stack_weights()
         arch = self.model.arch
         self.vocab_size = arch.vocab_size
         self.kv_spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim,
                                    self.dtype, cache.block_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.sampler = Sampler(arch.vocab_size, eos_token_ids, model_config.seed)
+        self.sampler = Sampler(arch.vocab_size, eos_token_ids, model_config.seed, self.device)
         self._generators: dict[str, torch.Generator] = {}
         self.keep_hidden = False  # set by kiln.speculative proposers that read hidden states
         # set by kiln.speculative proposers with a draft vocabulary: greedy verify steps score the
@@ -108,10 +108,14 @@ class ModelRunner:
         self.grammar_rows: StepGrammarFactory = NoGrammar
         self.last_step: StepHidden | None = None
 
-    def _attention_backend(self, config: ModelConfig) -> str:
-        if config.attention_backend != "auto":
-            return config.attention_backend
-        return "cpu" if self.ops.name == "kernels" else "torch"
+    def _stack_weights(self) -> fused_stack.StackWeights | None:
+        if not self.platform.fused_stack:
+            return None
+        stack = fused_stack.stack_weights(self.model, self.backend)
+        if stack is None:
+            log.info("decoder layers run one call each (a layer is off the fused path: "
+                     "see kiln.runner.fused_stack.stack_weights)")
+        return stack
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate K and V for every layer once: [num_blocks * block_size, Hkv, D] each.
@@ -122,7 +126,8 @@ class ModelRunner:
         shape = (num_blocks * s.block_size, s.num_kv_heads, s.head_dim)
         self.kv_caches = []
         for _ in range(s.num_layers):
-            k, v = torch.empty(shape, dtype=s.dtype), torch.empty(shape, dtype=s.dtype)
+            k = torch.empty(shape, dtype=s.dtype, device=self.device)
+            v = torch.empty(shape, dtype=s.dtype, device=self.device)
             k[:s.block_size].zero_()
             v[:s.block_size].zero_()
             self.kv_caches.append((k, v))
@@ -139,10 +144,18 @@ class ModelRunner:
         """The step's batch and final hidden states [T, H] (KV written), before the LM head:
         `execute` samples from them; a draft model's proposer scores a draft vocabulary."""
         self.release(sched.finished_ids)
-        batch = build_batch(sched)
+        batch = build_batch(sched, self.device)
         meta = self.backend.build_metadata(batch.layout, batch.slot_positions,
                                            self.kv_spec.block_size)
-        return batch, self.model(batch.input_ids, batch.positions, self.kv_caches, meta)
+        return batch, self._run_model(batch, meta)
+
+    def _run_model(self, batch: BatchInputs, meta: AttentionMetadata) -> torch.Tensor:
+        """The fused stack where it serves this step, else the model's per-layer forward
+        (the same bits either way)."""
+        if self.stack is not None and self.stack.serves(meta):
+            return fused_stack.fused_stack(self.stack, batch.input_ids, batch.positions,
+                                           self.kv_caches, meta)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, meta)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -212,8 +225,9 @@ class ModelRunner:
                 row_dst.append(q_start + root + 1 + j)
         if not src:
             return
-        src_t, dst_t = torch.tensor(src), torch.tensor(dst)  # gathered, then written
-        if self.ops.name == "kernels":  # one call for every layer
+        # gathered, then written
+        src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        if self.platform.kernels is KernelSet.CPP:  # one call for every layer
             torch.ops.kiln.move_slots([c for kv in self.kv_caches for c in kv], src_t, dst_t)
         else:
             for k, v in self.kv_caches:
@@ -221,8 +235,9 @@ class ModelRunner:
                 v[dst_t] = v[src_t]
         step = self.last_step
         if step is not None and step.batch is batch:
-            rows = torch.arange(len(batch.input_ids))
-            rows[torch.tensor(row_dst)] = torch.tensor(row_src)
+            rows = torch.arange(len(batch.input_ids), device=self.device)
+            rows[torch.tensor(row_dst, device=self.device)] = torch.tensor(row_src,
+                                                                           device=self.device)
             step.rows = rows
 
     def _plan(self, scheduled: list[ScheduledRequest], rows: list[LogitsRows]) -> SamplePlan:
@@ -266,7 +281,7 @@ class ModelRunner:
         if item.params.seed is not None:
             gen = self._generators.get(item.request_id)
             if gen is None:
-                gen = torch.Generator().manual_seed(item.params.seed)
+                gen = torch.Generator(self.device).manual_seed(item.params.seed)
                 self._generators[item.request_id] = gen
         history = item.output_token_ids + drafts_before if drafts_before else item.output_token_ids
         return SamplingRow(item.params, item.prompt_token_ids, history, gen)
@@ -277,7 +292,8 @@ class ModelRunner:
             return None
         lo = rows.prompt_start
         targets = torch.tensor(
-            item.prompt_token_ids[item.start_pos + 1:item.start_pos + 1 + rows.num_prompt])
+            item.prompt_token_ids[item.start_pos + 1:item.start_pos + 1 + rows.num_prompt],
+            device=logits.device)
         return compute_logprobs(logits[lo:lo + rows.num_prompt], targets,
                                 item.params.prompt_logprobs or 0)
 

@@ -39,10 +39,13 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: frozenset[int], seed: int = 0):
+    def __init__(self, vocab_size: int, eos_token_ids: frozenset[int], seed: int = 0,
+                 device: torch.device = torch.device("cpu")):
+        """device: where the logits arrive (the default generator and its noise live there)."""
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.device = device
+        self.generator = torch.Generator(device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  bitmask: torch.Tensor | None = None) -> SamplerOutput:
@@ -76,7 +79,7 @@ class Sampler:
 
     def choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """[B] token ids: argmax for greedy rows, a random draw for the others."""
-        greedy = torch.tensor([r.params.greedy for r in rows])
+        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
         chosen = logits.argmax(dim=-1)
         if bool(greedy.all()):
             return chosen
@@ -86,20 +89,22 @@ class Sampler:
 
     def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """[B, V] the distribution a random draw samples from (temperature, top-k/p, min-p)."""
-        temps = torch.tensor([max(r.params.temperature, 1e-5) for r in rows])
+        temps = torch.tensor([max(r.params.temperature, 1e-5) for r in rows],
+                             device=logits.device)
         logits = logits / temps[:, None]
         if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows):
             logits = apply_top_k_top_p(logits, rows)
         probs = torch.softmax(logits, dim=-1)
         if any(r.params.min_p > 0 for r in rows):
-            min_p = torch.tensor([r.params.min_p for r in rows])
+            min_p = torch.tensor([r.params.min_p for r in rows], device=logits.device)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values,
                                       0.0)
         return probs
 
     def exponentials(self, rows: list[SamplingRow], vocab: int) -> torch.Tensor:
         """[B, V] Exp(1) noise; seeded rows come from their own generators."""
-        noise = torch.empty(len(rows), vocab).exponential_(generator=self.generator)
+        noise = torch.empty(len(rows), vocab, device=self.device).exponential_(
+            generator=self.generator)
         for i, row in enumerate(rows):
             if row.generator is not None and not row.params.greedy:
                 noise[i].exponential_(generator=row.generator)
@@ -119,7 +124,7 @@ def take_rows(t: torch.Tensor, index: list[int]) -> torch.Tensor:
     at batch 64 a copy of the [64, vocab] fp32 logits costs ~2 ms)."""
     if len(index) == t.shape[0] and index == list(range(len(index))):
         return t
-    return t[torch.tensor(index, dtype=torch.long)]
+    return t[torch.tensor(index, dtype=torch.long, device=t.device)]
 
 
 def _has_penalty(p: SamplingParams) -> bool:
@@ -129,31 +134,32 @@ def _has_penalty(p: SamplingParams) -> bool:
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """In place. Repetition (HF): tokens seen in prompt or output get positive logits divided
     and negative ones multiplied. Presence/frequency (OpenAI): over output tokens only."""
-    batch, vocab = logits.shape
-    counts = torch.zeros(batch, vocab)
-    seen = torch.zeros(batch, vocab, dtype=torch.bool)
+    (batch, vocab), device = logits.shape, logits.device
+    counts = torch.zeros(batch, vocab, device=device)
+    seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
     for i, row in enumerate(rows):
         if row.output_token_ids:
-            out = torch.tensor(row.output_token_ids)
-            counts[i].index_add_(0, out, torch.ones(len(out)))
+            out = torch.tensor(row.output_token_ids, device=device)
+            counts[i].index_add_(0, out, torch.ones(len(out), device=device))
         if row.params.repetition_penalty != 1.0 and row.prompt_token_ids:
-            seen[i, torch.tensor(row.prompt_token_ids)] = True
+            seen[i, torch.tensor(row.prompt_token_ids, device=device)] = True
     seen |= counts > 0
-    rep = torch.tensor([r.params.repetition_penalty for r in rows])[:, None]
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[:, None]
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits.copy_(torch.where(seen, penalized, logits))
-    freq = torch.tensor([r.params.frequency_penalty for r in rows])[:, None]
-    pres = torch.tensor([r.params.presence_penalty for r in rows])[:, None]
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in rows], device=device)[:, None]
     logits -= freq * counts + pres * (counts > 0)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Mask tokens outside each row's top-k and top-p nucleus (at least one always stays)."""
-    vocab = logits.shape[1]
-    k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows])
-    p = torch.tensor([r.params.top_p for r in rows])
+    vocab, device = logits.shape[1], logits.device
+    k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows],
+                     device=device)
+    p = torch.tensor([r.params.top_p for r in rows], device=device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab)[None, :]
+    ranks = torch.arange(vocab, device=device)[None, :]
     drop = ranks >= k[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
@@ -184,9 +190,9 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[SamplingRow],
 def apply_token_bitmask_reference(logits: torch.Tensor, targets: list[tuple[int, int]],
                                   bitmask: torch.Tensor) -> None:
     """The torch reference of `apply_token_bitmask` over (logits row, bitmask row) pairs."""
-    idx = torch.tensor([t[0] for t in targets])
-    words = bitmask[torch.tensor([t[1] for t in targets])]
-    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    idx = torch.tensor([t[0] for t in targets], device=logits.device)
+    words = bitmask[torch.tensor([t[1] for t in targets], device=bitmask.device)]
+    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32, device=words.device)) & 1
     allowed = bits.reshape(len(targets), -1)[:, :logits.shape[1]].bool()
     logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kiln.runner.attention import SeqLayout
+from kiln.models.layers.attention import SeqLayout
 
 BlockOutput = object  # whatever a decoder block returns (a tensor, or a tuple of tensors)
 
@@ -38,8 +38,9 @@ class ForcedStep:
     @property
     def scored_rows(self) -> torch.Tensor:
         """Flat rows that predict a token of their window: all but each window's last."""
-        n, length = self.windows.shape
-        return (torch.arange(n)[:, None] * length + torch.arange(length - 1)).reshape(-1)
+        (n, length), device = self.windows.shape, self.windows.device
+        return (torch.arange(n, device=device)[:, None] * length
+                + torch.arange(length - 1, device=device)).reshape(-1)
 
     @property
     def targets(self) -> torch.Tensor:
@@ -105,22 +106,23 @@ class TeacherForcer:
 
     def _prepare(self, windows: torch.Tensor) -> ForcedStep:
         """Window i owns blocks [i * B, (i + 1) * B), B = ceil(L / block_size); no context."""
-        n, length = windows.shape
+        (n, length), device = windows.shape, windows.device
         blocks = -(-length // self.block_size)
         layout = SeqLayout(
-            query_start=torch.arange(n) * length,
-            query_lens=torch.full((n,), length),
-            context_lens=torch.zeros(n, dtype=torch.int64),
-            block_table=torch.arange(n * blocks).reshape(n, blocks))
-        positions = torch.arange(length).repeat(n)  # [n * L]
+            query_start=torch.arange(n, device=device) * length,
+            query_lens=torch.full((n,), length, device=device),
+            context_lens=torch.zeros(n, dtype=torch.int64, device=device),
+            block_table=torch.arange(n * blocks, device=device).reshape(n, blocks))
+        positions = torch.arange(length, device=device).repeat(n)  # [n * L]
         meta = self.backend.build_metadata(layout, positions, self.block_size)
         return ForcedStep(windows, positions, meta)
 
     def _scratch_cache(self, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         arch = self.model.arch
-        dtype = self.model.model.embed_tokens.weight.dtype
+        like = self.model.model.embed_tokens.weight  # the model's dtype and device
         shape = (slots, arch.num_kv_heads, arch.head_dim)
-        return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        return [(torch.zeros(shape, dtype=like.dtype, device=like.device),
+                 torch.zeros(shape, dtype=like.dtype, device=like.device))
                 for _ in range(arch.num_layers)]
 
 

@@ -16,7 +16,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kiln.models.layers.linear import DenseLinearMethod, register_linear_method
+from kiln.models.layers.linear import (
+    NO_SCALE,
+    DenseLinearMethod,
+    StackTensors,
+    register_linear_method,
+)
 
 # Measured per call (2 threads, weights cycled through 32 copies so they come from memory;
 # `python benchmarks/cpu_bf16.py`, AVX2 EPYC): kernel vs widen + fp32 GEMM on 576x1536 is 98
@@ -56,3 +61,10 @@ class CpuBf16LinearMethod(DenseLinearMethod):
         else:  # the bias joins the fp32 sum: one rounding, as in torch's F.linear
             out = (widened_mm(flat.float(), layer.weight) + layer.bias.float()).to(x.dtype)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def stack_tensors(self, layer) -> StackTensors | None:
+        """The bf16 weight for the stack's bf16_gemm, which serves decode-sized steps only."""
+        if layer.bias is not None or layer.weight.dtype != torch.bfloat16:
+            return None
+        return StackTensors(layer.weight, NO_SCALE, plain_bf16=True,
+                            max_tokens=BF16_GEMM_MAX_TOKENS)

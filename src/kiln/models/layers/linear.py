@@ -14,16 +14,40 @@ Contract of a method, in lifecycle order:
   3. `finalize(layer)` runs once after every tensor is loaded (repacking, checks).
   4. `apply(layer, x)` maps [..., in_features] to [..., out_features]; it must not mutate
      `layer` and may be called from any step.
+  5. `stack_tensors(layer)` (after `finalize`): the layer's tensors as a fused decoder stack
+     reads them (kiln.runner.fused_stack), or None where that stack cannot run this layer;
+     the stack then declines and the layers run one call each.
+
+Quantized formats register themselves when kiln.quant is imported (by whoever builds an engine;
+models never import it).
+A sharded linear (tensor parallelism) is one more method: it creates and loads only its rank's
+rows or columns, reduces its output through a collective in `apply`, and returns None from
+`stack_tensors` (the fused stack has no collective).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass(frozen=True, eq=False)
+class StackTensors:
+    """One linear as `kiln::llama_stack` reads it."""
+
+    weight: torch.Tensor  # oneDNN-packed bf16, plain bf16 [out, in], or int8 rows [out, in]
+    scale: torch.Tensor  # int8 rows' per-row scales [out, 1]; empty for bf16 weights
+    plain_bf16: bool = False  # a plain bf16 weight, for kiln's bf16_gemm (not oneDNN-packed)
+    max_tokens: float = math.inf  # the largest step the stack's kernel for it serves
+
+
+NO_SCALE = torch.empty(0, device="cpu")  # StackTensors.scale of a bf16 weight
 
 
 class LinearMethod(Protocol):
@@ -35,6 +59,8 @@ class LinearMethod(Protocol):
     def finalize(self, layer: Linear) -> None: ...
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
+
+    def stack_tensors(self, layer: Linear) -> StackTensors | None: ...
 
 
 _METHODS: dict[str, Callable[[], LinearMethod]] = {}
@@ -52,7 +78,8 @@ def get_linear_method(name: str) -> LinearMethod:
     if name not in _METHODS:
         _import_plugins()
     if name not in _METHODS:
-        raise ValueError(f"unknown weight format {name!r}; known: {', '.join(sorted(_METHODS))}")
+        raise ValueError(f"unknown weight format {name!r}; known: {', '.join(sorted(_METHODS))} "
+                         f"(quantized formats register when kiln.quant is imported)")
     return _METHODS[name]()
 
 
@@ -62,12 +89,9 @@ def available_linear_methods() -> list[str]:
 
 
 def _import_plugins() -> None:
+    """The dense CPU formats beside this module (quantized ones come with kiln.quant)."""
     import kiln.models.layers.cpu_bf16  # noqa: F401
     import kiln.models.layers.onednn  # noqa: F401
-    try:  # quantized formats register themselves on import
-        import kiln.quant  # noqa: F401
-    except ImportError:
-        pass
 
 
 def shard_rows(out_shards: Sequence[int], shard: int) -> slice:
@@ -81,9 +105,10 @@ class DenseLinearMethod:
 
     def create_weights(self, layer, in_features, out_shards, bias, dtype):
         out = sum(out_shards)
-        layer.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
-        layer.bias = (nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False)
-                      if bias else None)
+        layer.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype, device="cpu"),
+                                    requires_grad=False)
+        layer.bias = (nn.Parameter(torch.zeros(out, dtype=dtype, device="cpu"),
+                                   requires_grad=False) if bias else None)
 
     def load_shard(self, layer, shard, name, tensor):
         target = {"weight": layer.weight, "bias": layer.bias}.get(name)
@@ -106,6 +131,9 @@ class DenseLinearMethod:
 
     def apply(self, layer, x):
         return F.linear(x, layer.weight, layer.bias)
+
+    def stack_tensors(self, layer) -> StackTensors | None:
+        return None  # torch's matmul: the stack has no kernel for it
 
 
 class Linear(nn.Module):

@@ -10,7 +10,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device="cpu"), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -14,7 +14,12 @@ import logging
 import torch
 from torch import nn
 
-from kiln.models.layers.linear import DenseLinearMethod, register_linear_method
+from kiln.models.layers.linear import (
+    NO_SCALE,
+    DenseLinearMethod,
+    StackTensors,
+    register_linear_method,
+)
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +29,9 @@ def onednn_available(dtype: torch.dtype) -> bool:
     if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return False
     try:
-        w = torch.ones(8, 8, dtype=dtype)
+        w = torch.ones(8, 8, dtype=dtype, device="cpu")
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 8, dtype=dtype), packed, None,
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 8, dtype=dtype, device="cpu"), packed, None,
                                                  "none", [], "")
         return bool(out[0, 0] == 8)
     except (RuntimeError, AttributeError) as exc:
@@ -55,3 +60,8 @@ class OneDNNLinearMethod(DenseLinearMethod):
         out = torch.ops.mkldnn._linear_pointwise(
             x.reshape(-1, shape[-1]), layer.packed_weight, layer.bias, "none", [], "")
         return out.reshape(*shape[:-1], out.shape[-1])
+
+    def stack_tensors(self, layer) -> StackTensors | None:
+        if layer.bias is not None or not hasattr(layer, "packed_weight"):
+            return None
+        return StackTensors(layer.packed_weight, NO_SCALE)

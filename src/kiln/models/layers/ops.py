@@ -2,7 +2,8 @@
 
 `TorchOps` is the reference (and what fp32 parity tests run); `KernelOps` calls the fused
 kernels in kiln/runner/cpu_ops (one pass over memory instead of several torch ops each). A
-model gets one `ModelOps` object and calls it; nothing else changes between the two paths.
+model gets the ops object of its platform's kernel set (`ops_for`) and calls it; nothing else
+changes between the two paths. A GPU kernel set is one more subclass here.
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.models.layers.rotary import RotaryEmbedding
+from kiln.platform import KernelSet, resolve_kernel_set
+
 
 class TorchOps:
     """Reference implementations (HF semantics: normalize in fp32, round, then scale)."""
 
-    name = "torch"
+    name = "torch"  # read only by kiln.speculative.head.proposer, until it asks the platform
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x32 = x.float()
@@ -38,6 +42,24 @@ class TorchOps:
         s = sin[positions].unsqueeze(1)
         return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
 
+    def rotary_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                   num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, ...]:
+        """q [T, Hq, D], k and v [T, Hkv, D] of the fused projection's output
+        [T, (Hq + 2 Hkv) * D], q and k rotated (by the tables in the activation dtype)."""
+        q, k, v = split_heads(qkv, num_heads, num_kv_heads)
+        q, k = self.rotary(q, k, positions, rotary.cos, rotary.sin)
+        return q, k, v
+
+
+def split_heads(qkv: torch.Tensor, num_heads: int,
+                num_kv_heads: int) -> tuple[torch.Tensor, ...]:
+    """Views [T, H, D] of the q, k and v parts of a fused projection's output."""
+    head_dim = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
+    q, k, v = qkv.split((num_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim), dim=-1)
+    return (q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
+            v.view(-1, num_kv_heads, head_dim))
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -60,15 +82,17 @@ class KernelOps(TorchOps):
     def silu_mul(self, gate_up):
         return torch.ops.kiln.silu_mul(gate_up)
 
+    def rotary_qkv(self, qkv, positions, rotary, num_heads, num_kv_heads):
+        """Rotated in place inside qkv by one C++ call (fp32 tables, one rounding)."""
+        rotary.apply_inplace(qkv, positions, num_heads, num_kv_heads)
+        return split_heads(qkv, num_heads, num_kv_heads)
+
+
+def ops_for(kernels: KernelSet) -> TorchOps:
+    """The ops object of a platform's kernel set."""
+    return KernelOps() if kernels is KernelSet.CPP else TorchOps()
+
 
 def get_ops(name: str) -> TorchOps:
-    """"torch" (reference), "kernels" (C++), or "auto" (kernels where they build)."""
-    if name == "torch":
-        return TorchOps()
-    from kiln.runner import cpu_ops
-
-    if cpu_ops.load():
-        return KernelOps()
-    if name == "kernels":
-        raise RuntimeError("the kiln CPU kernels could not be built (see the log)")
-    return TorchOps()
+    """"torch" (reference), "cpp" (C++, must build), or "auto" (C++ where it builds)."""
+    return ops_for(resolve_kernel_set(name))

@@ -16,7 +16,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """[head_dim / 2] angular frequencies, after the checkpoint's rope scaling."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope scaling {rope_type!r} is not supported; "
@@ -40,14 +41,15 @@ def _llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables [max_pos, D]; applied by ModelOps.rotary (reference) or
-    `apply_inplace` (fused kernel)."""
+    """Precomputed cos/sin tables [max_pos, D] (built on the CPU, moved with the model);
+    applied by ModelOps.rotary (reference) or `apply_inplace` (fused kernel)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.int64).float(), inv_freq)
+        positions = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
+        freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)

@@ -263,7 +263,7 @@ def stack_weights(head: EagleHead) -> list[tuple[float, dict, bool]] | None:
     row limit) serves the rest. None where the layer is not packed in those forms (an fp32
     head, the reference ops)."""
     from kiln.models.layers.cpu_bf16 import BF16_GEMM_MAX_TOKENS, CpuBf16LinearMethod
-    from kiln.models.llama import stack_linear_tensors
+    from kiln.runner.fused_stack import stack_linear_tensors
 
     layer = head.layer
     if layer.fused is None:

@@ -28,8 +28,8 @@ import torch
 
 from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kiln.models.layers.rotary import RotaryEmbedding
-from kiln.models.llama import stack_attention_args
 from kiln.runner.attention import CpuPagedAttention, SeqLayout
+from kiln.runner.fused_stack import stack_attention_args
 from kiln.speculative.head.kv import DraftRows, HeadKV
 from kiln.speculative.head.model import (
     FeatureTap,
