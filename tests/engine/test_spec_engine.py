@@ -383,7 +383,7 @@ def test_head_layer_in_one_call_is_its_ops(llama_path, head_path, rows):
     from fp32 tables), the same KV written, the same likeliest drafts at almost every row, for
     a round's draft rows and for a catch-up's several positions of one sequence. Greedy
     output stays the target's."""
-    from kiln.runner.attention import SeqLayout
+    from kiln.models.layers.attention import SeqLayout
 
     llm = LLM(llama_path, dtype="bfloat16", num_threads=1, speculator=head_path,
               speculative_config=FORCED)

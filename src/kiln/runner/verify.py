@@ -182,8 +182,8 @@ def accept_sampled(drafts: list[int], p: torch.Tensor, q: torch.Tensor | None,
                    uniforms: torch.Tensor, noise: torch.Tensor) -> list[int]:
     """The rejection rule for one request. p: [k+1, V] target rows, q: [k, V] or None
     (one-hot drafts), uniforms: [k] U(0,1), noise: [V] Exp(1) for the one final draw."""
-    x = torch.tensor(drafts)
-    rows = torch.arange(len(drafts))
+    x = torch.tensor(drafts, device=p.device)
+    rows = torch.arange(len(drafts), device=p.device)
     p_x = p[rows, x]
     q_x = torch.ones_like(p_x) if q is None else q[rows, x].to(p.dtype)
     accepted = uniforms * q_x < p_x  # u < p/q, without dividing by a zero q
@@ -210,8 +210,8 @@ def _residual(p: torch.Tensor, q: torch.Tensor | None, draft: int) -> torch.Tens
 def _randomness(sampler: Sampler, row: SamplingRow, k: int,
                 vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = row.generator if row.generator is not None else sampler.generator
-    uniforms = torch.rand(k, generator=gen)
-    noise = torch.empty(vocab).exponential_(generator=gen)
+    uniforms = torch.rand(k, generator=gen, device=gen.device)
+    noise = torch.empty(vocab, device=gen.device).exponential_(generator=gen)
     return uniforms, noise
 
 
@@ -226,7 +226,8 @@ def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], groups: list[Verify
     for g, toks, path in zip(groups, tokens, paths, strict=True):
         offsets = range(len(toks)) if path is None else [0] + [1 + c for c in path]
         index.extend(g.first_row + j for j in offsets)
-    flat = compute_logprobs(logits[index], torch.tensor([t for ts in tokens for t in ts]), want)
+    flat = compute_logprobs(logits[index], torch.tensor([t for ts in tokens for t in ts],
+                                                         device=logits.device), want)
     out, at = [], 0
     for toks in tokens:
         out.append(flat[at:at + len(toks)])

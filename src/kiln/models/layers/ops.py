@@ -18,8 +18,6 @@ from kiln.platform import KernelSet, resolve_kernel_set
 class TorchOps:
     """Reference implementations (HF semantics: normalize in fp32, round, then scale)."""
 
-    name = "torch"  # read only by kiln.speculative.head.proposer, until it asks the platform
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -68,8 +66,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class KernelOps(TorchOps):
     """Fused C++ kernels (fp32 math, one rounding); requires `kiln.runner.cpu_ops.load()`."""
-
-    name = "kernels"
 
     def rms_norm(self, x, weight, eps):
         return torch.ops.kiln.rms_norm(x, weight, eps)

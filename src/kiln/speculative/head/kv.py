@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.runner.attention import SeqLayout
+from kiln.models.layers.attention import SeqLayout
 
 
 class HeadKV:

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kiln.models.layers.attention import SeqLayout
 from kiln.models.layers.rotary import RotaryEmbedding
-from kiln.runner.attention import CpuPagedAttention, SeqLayout
+from kiln.platform import KernelSet
 from kiln.runner.fused_stack import stack_attention_args
 from kiln.speculative.head.kv import DraftRows, HeadKV
 from kiln.speculative.head.model import (
@@ -123,11 +124,10 @@ class HeadProposer:
         self.paged, self.scale = runner.backend, c.head_dim ** -0.5  # the target's kernels
         self.cache = HeadKV(runner.kv_caches[0][0].shape[0], c.num_kv_heads, c.head_dim,
                             runner.dtype, self.block_size)
-        self.kernels = self.ops.name == "kernels"
+        self.kernels = runner.platform.kernels is KernelSet.CPP
         # the layer in one C++ call (as the target's own layers), where it is packed for it:
         # per weight set, (most rows, its tensor arguments, plain bf16)
-        sets = (stack_weights(self.head) if self.kernels
-                and isinstance(self.paged, CpuPagedAttention) else None)
+        sets = stack_weights(self.head) if runner.platform.fused_stack else None
         self.stack = None if sets is None else [
             (rows, self._stack_tensors(w), plain) for rows, w, plain in sets]
         self.stack_long = (self.stack is not None and self.paged.bf16_prefill

@@ -287,7 +287,7 @@ def record_target(runner, chunks: torch.Tensor, feature_layers: tuple[int, ...],
                   ) -> TargetRecord:
     """Run the target (a ModelRunner) over each chunk as a fresh prompt; keep its features
     and greedy choices. Uses a scratch KV cache of batch_size x S slots."""
-    from kiln.runner.attention import SeqLayout
+    from kiln.models.layers.attention import SeqLayout
     from kiln.speculative.head.model import FeatureTap
 
     n, seq_len = chunks.shape
