@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "LLM":
-        from kiln.engine.llm import LLM
+        from kiln.llm import LLM
         return LLM
     if name in ("RequestOutput", "CompletionOutput"):
         import kiln.outputs

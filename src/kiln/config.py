@@ -1,52 +1,123 @@
 """Configuration: frozen dataclasses, one per concern, validated at construction.
 
 Components receive the sub-config they use (the cache manager gets `CacheConfig`, the scheduler
-`SchedulerConfig`), never the whole tree. Field docstrings (the comments beside each field) are
-the documentation of the matching CLI flags.
+`SchedulerConfig`), never the whole tree. Each field documents itself with `metadata=doc(...)`:
+that text is the help of its command-line flag (kiln.config_cli makes `kiln serve`'s and `kiln
+worker`'s flags from these fields) and the reference for `LLM(**settings)` (`engine_config_from`).
+A `Literal` annotation lists a field's choices; `check_choices`, which every `__post_init__`
+calls first, enforces them, and the command line offers them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import os
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")
 GiB = 1 << 30
 
 
 @dataclass(frozen=True)
+class FieldDoc:
+    """A config field's documentation: `help` for its flag and readers; `none_means`, for a
+    field whose default is None, what happens then; `flag` where the flag is not the field's
+    own name (kiln.config_cli.flag_name); `cli=False` for a field that no command line sets
+    (the command sets it, or another flag names it)."""
+
+    help: str
+    none_means: str | None = None
+    flag: str | None = None
+    cli: bool = True
+
+
+def doc(help: str, *, none_means: str | None = None, flag: str | None = None,
+        cli: bool = True) -> dict[str, FieldDoc]:
+    """A field's `metadata`: `field(default=16, metadata=doc("tokens per KV block"))`."""
+    return {"doc": FieldDoc(help, none_means, flag, cli)}
+
+
+def field_doc(f: dataclasses.Field) -> FieldDoc:
+    return f.metadata.get("doc") or FieldDoc("")
+
+
+def check_choices(config: object) -> None:
+    """ValueError naming the first field whose value is not one of its `Literal` choices."""
+    for name, choices in literal_fields(type(config)).items():
+        value = getattr(config, name)
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, "
+                             f"got {value!r}")
+
+
+@functools.cache
+def literal_fields(cls: type) -> dict[str, tuple]:
+    """Each field of `cls` annotated `Literal[...]` (or `Literal[...] | None`) -> its choices
+    (None among them where the annotation allows it)."""
+    hints = typing.get_type_hints(cls)
+    choices = {}
+    for f in dataclasses.fields(cls):
+        base, optional = unwrap_optional(hints[f.name])
+        if typing.get_origin(base) is Literal:
+            choices[f.name] = (*typing.get_args(base), *((None,) if optional else ()))
+    return choices
+
+
+def unwrap_optional(annotation: object) -> tuple[object, bool]:
+    """`X | None` -> (X, True); anything else -> (itself, False)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(annotation)) == 2:
+            return args[0], True
+    return annotation, False
+
+
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+DTYPES = typing.get_args(Dtype)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = None  # HF checkpoint directory; None = the bundled default model
-    dtype: str = "auto"  # weights and activations: auto (bf16 on CPU), bfloat16, float32
-    max_model_len: int | None = None  # prompt + output tokens; None = the model's own limit
-    seed: int = 0  # seed of the engine's default sampling generator
-    quantization: str | None = None  # weight format to quantize dense weights into on load
-    attention_backend: str = "auto"  # auto (cpu kernels where they build), torch, cpu
-    # dense matmuls: auto (oneDNN prepacked for bf16; without bf16 instructions, bf16-fp32:
-    # kiln's kernel widening bf16 weights to fp32), onednn, bf16-fp32, torch
-    linear_backend: str = "auto"
-    kernels: str = "auto"  # fused C++ CPU ops: auto (where they build), torch (reference), cpp
+    model: str | None = field(default=None, metadata=doc(
+        "HF checkpoint directory", none_means="the bundled default model"))
+    dtype: Dtype = field(default="auto", metadata=doc(
+        "weights and activations; auto: bfloat16 on CPU"))
+    max_model_len: int | None = field(default=None, metadata=doc(
+        "prompt + output tokens", none_means="the model's own limit"))
+    seed: int = field(default=0, metadata=doc("seed of the engine's default sampling generator"))
+    quantization: str | None = field(default=None, metadata=doc(
+        "weight format to quantize dense weights into on load (e.g. int8)",
+        none_means="the checkpoint's weights as stored"))
+    attention_backend: str = field(default="auto", metadata=doc(
+        "a registered attention backend: auto (cpu kernels where they build), torch, cpu"))
+    linear_backend: Literal["auto", "onednn", "bf16-fp32", "torch"] = field(
+        default="auto", metadata=doc(
+            "dense matmuls; auto: oneDNN prepacked bf16 where it runs, else bf16-fp32 (kiln's "
+            "kernel widening bf16 weights to fp32) where the CPU has it, else torch"))
+    kernels: Literal["auto", "torch", "cpp"] = field(default="auto", metadata=doc(
+        "fused C++ CPU ops: auto (where they build), torch (the reference), cpp"))
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.kernels not in ("auto", "torch", "cpp"):
-            raise ValueError(f"kernels must be auto, torch or cpp, got {self.kernels!r}")
-        if self.linear_backend not in ("auto", "torch", "onednn", "bf16-fp32"):
-            raise ValueError(f"linear_backend must be auto, torch, onednn or bf16-fp32, "
-                             f"got {self.linear_backend!r}")
+        check_choices(self)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16  # tokens per KV block
-    kv_cache_memory: int | None = None  # bytes for K and V of all layers; None = derived
-    enable_prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
-    max_kv_cache_memory: int = 2 * GiB  # cap on the derived size (max_model_len x max_num_seqs)
+    block_size: int = field(default=16, metadata=doc("tokens per KV block, a power of two"))
+    kv_cache_memory: int | None = field(default=None, metadata=doc(
+        "bytes for K and V of all layers",
+        none_means="max_model_len x max_num_seqs tokens' worth, up to max_kv_cache_memory"))
+    enable_prefix_caching: bool = field(default=True, metadata=doc(
+        "reuse KV blocks of identical prompt prefixes", flag="--prefix-caching"))
+    max_kv_cache_memory: int = field(default=2 * GiB, metadata=doc(
+        "cap in bytes on the derived KV cache size"))
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -57,23 +128,26 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64  # running sequences per step
-    max_num_batched_tokens: int = 2048  # tokens per step (decodes first, then prefill chunks)
-    enable_chunked_prefill: bool = True  # split long prompts across steps under the budget
-    policy: Literal["fcfs", "priority"] = "fcfs"  # priority: lower value first, then arrival
+    max_num_seqs: int = field(default=64, metadata=doc("running sequences per step"))
+    max_num_batched_tokens: int = field(default=2048, metadata=doc(
+        "tokens per step (decodes first, then prefill chunks)"))
+    enable_chunked_prefill: bool = field(default=True, metadata=doc(
+        "split long prompts across steps under the token budget", flag="--chunked-prefill"))
+    policy: Literal["fcfs", "priority"] = field(default="fcfs", metadata=doc(
+        "admission order; priority: the request's `priority` (lower first), then arrival"))
 
     def __post_init__(self):
+        check_choices(self)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be fcfs or priority, got {self.policy!r}")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    num_threads: int | None = None  # torch intra-op threads; None = all cores of this process
+    num_threads: int | None = field(default=None, metadata=doc(
+        "torch intra-op threads", none_means="all cores of this process", flag="--threads"))
 
     def __post_init__(self):
         if self.num_threads is not None and self.num_threads < 1:
@@ -93,6 +167,45 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
+# the sections of EngineConfig whose fields `engine_config_from` takes by name (the
+# speculative section is built from a speculator's name: kiln.speculative.resolve)
+SETTING_SECTIONS = ("model", "cache", "scheduler", "parallel", "structured")
+
+
+def engine_config_from(settings: Mapping[str, object]) -> EngineConfig:
+    """An EngineConfig from flat settings named after its sections' fields (`dtype`,
+    `block_size`, `max_num_seqs`, `repetition_guard`, ...: `LLM(**settings)`), defaults
+    elsewhere. TypeError names a setting that is no field, and the closest one that is."""
+    sections = setting_sections()
+    by_section: dict[str, dict[str, object]] = {name: {} for name in SETTING_SECTIONS}
+    for name, value in settings.items():
+        if name not in sections:
+            raise TypeError(unknown_setting(name, sections))
+        by_section[sections[name]][name] = value
+    section_types = typing.get_type_hints(EngineConfig)
+    return EngineConfig(**{section: section_types[section](**values)
+                           for section, values in by_section.items()})
+
+
+@functools.cache
+def setting_sections() -> dict[str, str]:
+    """Each setting `engine_config_from` takes -> the EngineConfig section it belongs to."""
+    hints = typing.get_type_hints(EngineConfig)
+    sections: dict[str, str] = {}
+    for section in SETTING_SECTIONS:
+        for f in dataclasses.fields(hints[section]):
+            if f.name in sections:
+                raise TypeError(f"setting {f.name!r} is in both {sections[f.name]} and {section}")
+            sections[f.name] = section
+    return sections
+
+
+def unknown_setting(name: str, known: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown engine setting {name!r}{hint}"
+
+
 def default_num_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
@@ -100,7 +213,7 @@ def default_num_threads() -> int:
 # -- serving (kiln serve) ---------------------------------------------------------------------
 
 MiB = 1 << 20
-WORKER_ROLES = ("both", "prefill", "decode")
+WorkerRole = Literal["both", "prefill", "decode"]
 
 
 @dataclass(frozen=True)
@@ -109,24 +222,33 @@ class WorkerConfig:
     report. Sent to a spawned worker as JSON on its command line."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
-    gateway_address: str = ""  # ZMQ endpoint of the gateway's ROUTER socket to connect to
-    worker_id: str = "worker-0"  # ZMQ identity prefix; unique among one gateway's workers
-    heartbeat_interval_s: float = 0.5  # a heartbeat at least this often, idle or stepping
-    parent_pid: int | None = None  # exit when this process is gone (workers kiln serve spawns)
+    gateway_address: str = field(default="", metadata=doc(
+        "the gateway's tcp://HOST:PORT (its ZMQ ROUTER socket) to connect to", flag="--gateway"))
+    worker_id: str = field(default="worker-0", metadata=doc(
+        "unique name among one gateway's workers (its ZMQ identity prefix)"))
+    heartbeat_interval_s: float = field(default=0.5, metadata=doc(
+        "seconds between worker heartbeats (sent idle or stepping)"))
+    parent_pid: int | None = field(default=None, metadata=doc(
+        "exit when this process is gone (workers kiln serve spawns)", cli=False))
     # cluster (kiln.cluster): see ClusterConfig for the gateway's side
-    role: str = "both"  # prefill | decode | both: which work the gateway routes here
-    transfer_host: str = "127.0.0.1"  # interface the KV transfer socket binds
-    advertise_host: str | None = None  # host other workers dial for transfers (transfer_host)
-    pull_timeout_s: float = 10.0  # a KV pull not done by then is given up: recompute
-    hold_timeout_s: float = 30.0  # blocks held for a transfer nobody pulls are freed (<= 30)
+    role: WorkerRole = field(default="both", metadata=doc(
+        "which work the gateway routes here"))
+    transfer_host: str = field(default="127.0.0.1", metadata=doc(
+        "interface the KV transfer socket binds (0.0.0.0: all, for decode workers on other "
+        "machines)"))
+    advertise_host: str | None = field(default=None, metadata=doc(
+        "address other workers dial for KV transfers", none_means="transfer_host"))
+    pull_timeout_s: float = field(default=10.0, metadata=doc(
+        "seconds after which a KV pull not done is given up (the prompt is recomputed); <= 30"))
+    hold_timeout_s: float = field(default=30.0, metadata=doc(
+        "seconds after which blocks held for a transfer nobody pulls are freed; <= 30"))
 
     def __post_init__(self):
+        check_choices(self)
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if not self.worker_id or "." in self.worker_id:
             raise ValueError(f"worker_id must be non-empty without '.', got {self.worker_id!r}")
-        if self.role not in WORKER_ROLES:
-            raise ValueError(f"role must be one of {WORKER_ROLES}, got {self.role!r}")
         if not 0 < self.pull_timeout_s <= 30 or not 0 < self.hold_timeout_s <= 30:
             raise ValueError("pull_timeout_s and hold_timeout_s must be in (0, 30]")
 
@@ -134,26 +256,41 @@ class WorkerConfig:
 @dataclass(frozen=True)
 class ServeConfig:
     """The HTTP gateway: where it listens, who may call it, what it admits, how it supervises
-    its worker and shuts down. Each field is a `kiln serve` flag of the same name."""
+    its worker and shuts down. Each field is a `kiln serve` flag (kiln.config_cli)."""
 
-    host: str = "127.0.0.1"  # interface to listen on
-    port: int = 8000  # TCP port to listen on
-    api_keys: tuple[str, ...] = ()  # when set, every route but /health needs a Bearer key
-    served_model_name: str | None = None  # the `model` clients send; None = model dir name
-    pricing_file: str | None = None  # JSON/TOML price table by model name; None = built-in
-    max_n: int = 16  # cap on `n` (choices per prompt)
-    max_top_logprobs: int = 20  # cap on `top_logprobs` / `logprobs`
-    max_body_bytes: int = 8 * MiB  # larger request bodies get 413
-    admission_queue_size: int = 256  # sequences that may wait beyond max_num_seqs; then 429
-    shutdown_timeout_s: float = 30.0  # SIGTERM: drain this long, then abort the rest
-    restart_worker: bool = True  # restart a dead or stuck worker (--no-restart: stay down)
-    heartbeat_timeout_s: float = 30.0  # no word from the worker this long = stuck
-    worker_start_timeout_s: float = 600.0  # loading the model may take this long
-    access_log: bool = False  # uvicorn's line per request (costs gateway CPU per request)
-    tool_call_parser: str = "auto"  # auto (from the chat template) | hermes | json
+    host: str = field(default="127.0.0.1", metadata=doc("interface to listen on"))
+    port: int = field(default=8000, metadata=doc("TCP port to listen on"))
+    api_keys: tuple[str, ...] = field(default=(), metadata=doc(
+        "an API key (repeatable); when set, every route but /health needs a Bearer key",
+        flag="--api-key"))
+    served_model_name: str | None = field(default=None, metadata=doc(
+        "the model name clients send", none_means="the model directory's name"))
+    pricing_file: str | None = field(default=None, metadata=doc(
+        "JSON/TOML price table by model name, USD per 1M tokens", none_means="built-in",
+        flag="--pricing"))
+    max_n: int = field(default=16, metadata=doc("cap on `n` (choices per prompt)"))
+    max_top_logprobs: int = field(default=20, metadata=doc(
+        "cap on `top_logprobs` / `logprobs` (<= 20)"))
+    max_body_bytes: int = field(default=8 * MiB, metadata=doc("larger request bodies get 413"))
+    admission_queue_size: int = field(default=256, metadata=doc(
+        "sequences that may wait beyond --max-num-seqs; more get 429"))
+    shutdown_timeout_s: float = field(default=30.0, metadata=doc(
+        "SIGTERM: seconds to drain, then the rest are aborted"))
+    restart_worker: bool = field(default=True, metadata=doc(
+        "restart a dead or stuck worker (--no-restart: it stays down)", flag="--restart"))
+    heartbeat_timeout_s: float = field(default=30.0, metadata=doc(
+        "seconds of silence after which a worker is declared stuck"))
+    worker_start_timeout_s: float = field(default=600.0, metadata=doc(
+        "seconds a worker may take to load the model and say it is ready"))
+    access_log: bool = field(default=False, metadata=doc(
+        "uvicorn's line per request (costs gateway CPU per request)"))
+    tool_call_parser: Literal["auto", "hermes", "json"] = field(default="auto", metadata=doc(
+        "tool-call syntax: hermes (<tool_call>{...}</tool_call>), json (a bare object), or "
+        "auto (from the chat template)"))
     cluster: ClusterConfig = field(default_factory=lambda: ClusterConfig())  # workers, routing
 
     def __post_init__(self):
+        check_choices(self)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if any(not k for k in self.api_keys):
@@ -199,22 +336,45 @@ class SpeculativeConfig:
     forward pass (losslessly: greedy output is unchanged, sampled output keeps its distribution).
     `LLM(speculator=...)` and `kiln serve --speculator` build one from a name or a directory."""
 
-    method: str = "ngram"  # registered proposer: ngram (prompt lookup), draft (model), head (EAGLE)
-    model: str | None = None  # draft: an HF checkpoint sharing the tokenizer; head: a head dir
-    num_speculative_tokens: int = 3  # most drafts per sequence per step (k)
-    adaptive: bool = True  # choose k per step by measured cost and acceptance (0 = off)
-    max_batch_size: int | None = None  # no drafts when more sequences run; None = no cap
-    ngram_min: int = 1  # ngram: shortest suffix to look up in the prompt and output
-    ngram_max: int = 4  # ngram: longest suffix to look up (longer matches win)
-    draft_kv_cache_memory: int | None = None  # draft: bytes for its KV cache; None = derived
+    # --speculator / --speculative-config name these two (kiln.speculative.resolve)
+    method: str = field(default="ngram", metadata=doc(
+        "registered proposer: ngram (prompt lookup), draft (model), head (EAGLE)", cli=False))
+    model: str | None = field(default=None, metadata=doc(
+        "draft: an HF checkpoint sharing the tokenizer; head: a head directory", cli=False))
+    num_speculative_tokens: int = field(default=3, metadata=doc(
+        "most draft tokens per sequence per step (k)", flag="--num-speculative-tokens"))
+    adaptive: bool = field(default=True, metadata=doc(
+        "choose per step how many drafts, and a tree or a chain, by measured cost and "
+        "acceptance; --no-speculative-adaptive always drafts --num-speculative-tokens (trees "
+        "wherever they are allowed)", flag="--speculative-adaptive"))
+    max_batch_size: int | None = field(default=None, metadata=doc(
+        "no drafts in steps where more sequences run", none_means="no cap",
+        flag="--speculative-max-batch-size"))
+    ngram_min: int = field(default=1, metadata=doc(
+        "n-gram lookup: shortest suffix to look up in the prompt and output",
+        flag="--speculative-ngram-min"))
+    ngram_max: int = field(default=4, metadata=doc(
+        "n-gram lookup: longest suffix to look up (longer matches win)",
+        flag="--speculative-ngram-max"))
+    draft_kv_cache_memory: int | None = field(default=None, metadata=doc(
+        "a draft model's KV cache bytes", none_means="derived",
+        flag="--speculative-draft-kv-cache-memory"))
     # draft/head: an n-gram match's drafts when there is one (None: on for a head, off for a
     # draft model)
-    ngram_first: bool | None = None
-    speculator_int8: bool = True  # head/draft: int8 weight-only linears, decode-sized inputs
+    ngram_first: bool | None = field(default=None, metadata=doc(
+        "with a draft model or head: take an n-gram (prompt lookup) match's drafts when the "
+        "sequence has one (with a head: in the same tree), the model's otherwise",
+        none_means="on for a head, off for a draft model", flag="--ngram-first"))
+    speculator_int8: bool = field(default=True, metadata=doc(
+        "a head's or draft model's weights int8 weight-only at decode sizes (cheaper draft "
+        "steps; output is exact either way)", flag="--speculator-int8"))
     # head/draft with a draft vocabulary: greedy verify steps score the whole vocabulary only
     # on the rows the walk visits, the draft vocabulary guessing the others (lossless:
     # kiln.speculative.shortlist; see docs/decisions/0009)
-    verify_shortlist: bool = True
+    verify_shortlist: bool = field(default=True, metadata=doc(
+        "a head or draft model with a draft vocabulary: greedy verify steps score the whole "
+        "vocabulary only on the rows the walk visits (lossless)",
+        flag="--speculative-verify-shortlist"))
     # draft trees: up to this many alternative continuations per request and step, verified
     # in one forward (n-gram: several earlier occurrences' continuations, merged by common
     # prefix; head: a beam search this wide, its k * width likeliest nodes; with
@@ -222,12 +382,18 @@ class SpeculativeConfig:
     # With adaptive speculation each step still picks a tree or a chain, whichever has made
     # more tokens per unit of cost (spec/adaptive.py, TreeChoice). None: HEAD_TREE_WIDTH for
     # a head, 1 otherwise
-    tree_width: int | None = None
+    tree_width: int | None = field(default=None, metadata=doc(
+        "draft trees: up to this many alternative continuations per sequence and step, "
+        "verified in one forward (n-gram lookup, head; 1 = one chain)",
+        none_means=f"{HEAD_TREE_WIDTH} for a head, 1 otherwise", flag="--speculative-tree-width"))
     # most drafts in one tree (SGLang's --speculative-num-draft-tokens): a tree's first this
     # many nodes (the head's likeliest; in a merged tree lookup's first continuation, the
     # head's, then lookup's others). None: HEAD_TREE_DRAFTS for a head, DEFAULT_TREE_DRAFTS
     # otherwise
-    tree_size: int | None = None
+    tree_size: int | None = field(default=None, metadata=doc(
+        f"draft trees: at most this many drafts per tree (1-{MAX_TREE_DRAFTS})",
+        none_means=f"{HEAD_TREE_DRAFTS} for a head, {DEFAULT_TREE_DRAFTS} otherwise",
+        flag="--speculative-tree-size"))
     # a head's tree by probability (a dynamic tree size): the head's nodes whose path
     # probability is at least this, up to tree_size of them, rather than its `k * width`
     # likeliest (with ngram_first, lookup's first continuation still goes first and its others
@@ -235,11 +401,17 @@ class SpeculativeConfig:
     # a few drafts and one where it is not verifies many: more accepted per draft verified
     # (see docs/decisions/0006). 0: a fixed size, the `k * width` likeliest;
     # None: HEAD_TREE_MIN_PROB for a head (lookup's and a draft model's trees have no floor)
-    tree_min_prob: float | None = None
+    tree_min_prob: float | None = field(default=None, metadata=doc(
+        "a head's draft trees by probability: its nodes whose path probability is at least "
+        "this, up to --speculative-tree-size; 0 = a fixed size",
+        none_means=f"{HEAD_TREE_MIN_PROB} for a head, 0 otherwise",
+        flag="--speculative-tree-min-prob"))
     # trees only in steps where at most this many sequences decode (chains above): at small
     # batches a step's cost hardly grows with its query tokens, at larger ones a tree's
     # extra tokens cost more than they bring (see docs/decisions/0005)
-    tree_max_batch: int = 1
+    tree_max_batch: int = field(default=1, metadata=doc(
+        "draft trees only while at most this many sequences decode (chains above)",
+        flag="--speculative-tree-max-batch"))
 
     def __post_init__(self):
         if not self.method:
@@ -287,26 +459,39 @@ class ClusterConfig:
     """Workers behind the gateway: how many it spawns and in which roles, how it routes, when
     it disaggregates prefill from decode, what it does when a worker dies. `kiln serve` flags."""
 
-    num_workers: int = 1  # aggregated workers to spawn (--workers)
-    num_prefill_workers: int = 0  # disaggregated: prefill workers to spawn (--prefill-workers)
-    num_decode_workers: int = 0  # disaggregated: decode workers to spawn (--decode-workers)
-    router: str = "kv-aware"  # round-robin | least-load | kv-aware
-    router_temperature: float = 0.0  # kv-aware: 0 = cheapest worker; > 0 = softmax sampling
-    prefill_weight: float = 1.0  # kv-aware: cost of one uncached prompt block vs one KV block
-    disagg_min_tokens: int = 512  # shorter prompts prefill on the decode worker itself
-    migration: bool = True  # resume streams of a dead worker elsewhere (--no-migration)
-    max_migrations: int = 3  # retries + migrations per request before it fails
-    address: str | None = None  # tcp://HOST:PORT the gateway binds for `kiln worker` joins
-    overload_waiting: int = 64  # a worker with this many waiting sequences is skipped
+    num_workers: int = field(default=1, metadata=doc(
+        "aggregated workers to spawn (0: only workers that join)", flag="--workers"))
+    num_prefill_workers: int = field(default=0, metadata=doc(
+        "disaggregated: prefill workers to spawn (with --decode-workers)",
+        flag="--prefill-workers"))
+    num_decode_workers: int = field(default=0, metadata=doc(
+        "disaggregated: decode workers to spawn (with --prefill-workers)",
+        flag="--decode-workers"))
+    router: Literal["round-robin", "least-load", "kv-aware"] = field(
+        default="kv-aware", metadata=doc("how a request picks its worker"))
+    router_temperature: float = field(default=0.0, metadata=doc(
+        "kv-aware: 0 = the cheapest worker; > 0 samples by softmax of -cost / T"))
+    prefill_weight: float = field(default=1.0, metadata=doc(
+        "kv-aware: cost of one uncached prompt block vs one held KV block"))
+    disagg_min_tokens: int = field(default=512, metadata=doc(
+        "shorter prompts prefill on the decode worker itself (no transfer)"))
+    migration: bool = field(default=True, metadata=doc(
+        "resume the streams of a dead worker elsewhere (--no-migration: they end with an "
+        "error event)"))
+    max_migrations: int = field(default=3, metadata=doc(
+        "retries + migrations per request before it fails"))
+    address: str | None = field(default=None, metadata=doc(
+        "tcp://HOST:PORT the gateway binds for `kiln worker` joins (KV events on PORT+1)",
+        none_means="no joins", flag="--cluster-address"))
+    overload_waiting: int = field(default=64, metadata=doc(
+        "a worker with this many waiting sequences is skipped by the router"))
 
     def __post_init__(self):
+        check_choices(self)
         if min(self.num_workers, self.num_prefill_workers, self.num_decode_workers) < 0:
             raise ValueError("worker counts must be >= 0")
         if (self.num_prefill_workers > 0) != (self.num_decode_workers > 0):
             raise ValueError("give both --prefill-workers and --decode-workers, or neither")
-        if self.router not in ("round-robin", "least-load", "kv-aware"):
-            raise ValueError(f"router must be round-robin, least-load or kv-aware, "
-                             f"got {self.router!r}")
         if self.router_temperature < 0 or self.prefill_weight < 0:
             raise ValueError("router_temperature and prefill_weight must be >= 0")
         if self.disagg_min_tokens < 1 or self.max_migrations < 0 or self.overload_waiting < 1:
@@ -333,15 +518,23 @@ class StructuredConfig:
     """Grammar compilation limits and the repetition guard's default. The gateway applies the
     same compile limits when it validates a request (so a bad grammar is a 400 there)."""
 
-    repetition_guard: str = "stop"  # off | stop | retry: what a request without its own does
-    compile_timeout_s: float = 4.0  # a grammar not compiled by then is refused (400)
-    cache_bytes: int = 128 * MiB  # compiled grammars kept (LRU by xgrammar's size estimate)
-    max_source_bytes: int = 1 * MiB  # longest schema / regex / EBNF / tool set accepted
-    compile_threads: int = 2  # background compile threads (the step loop never waits on one)
+    repetition_guard: Literal["off", "stop", "retry"] = field(default="stop", metadata=doc(
+        "a sequence stuck repeating: stop it (finish_reason repetition), retry (redraw the "
+        "looping token once, then stop), or off; a request may choose its own"))
+    compile_timeout_s: float = field(default=4.0, metadata=doc(
+        "seconds a structured-output grammar may take to compile (else 400)",
+        flag="--grammar-compile-timeout"))
+    cache_bytes: int = field(default=128 * MiB, metadata=doc(
+        "compiled grammars kept, in bytes (LRU by xgrammar's size estimate)",
+        flag="--grammar-cache-bytes"))
+    max_source_bytes: int = field(default=1 * MiB, metadata=doc(
+        "longest schema / regex / EBNF / tool set accepted, in bytes",
+        flag="--grammar-max-source-bytes"))
+    compile_threads: int = field(default=2, metadata=doc(
+        "background grammar compile threads (the step loop never waits on one)",
+        flag="--grammar-compile-threads"))
 
     def __post_init__(self):
-        if self.repetition_guard not in ("off", "stop", "retry"):
-            raise ValueError(f"repetition_guard must be off, stop or retry, "
-                             f"got {self.repetition_guard!r}")
+        check_choices(self)
         _positive(self, "compile_timeout_s", "cache_bytes", "max_source_bytes",
                   "compile_threads")

@@ -120,7 +120,7 @@ def test_fan_out_seeds_children_apart():
 
 
 def test_request_state_stops_on_a_stop_string(llama_path):
-    from kiln.engine.llm import load_tokenizer
+    from kiln.llm import load_tokenizer
 
     tok = load_tokenizer(llama_path)
     ids = tok.encode("The quick brown fox", add_special_tokens=False)

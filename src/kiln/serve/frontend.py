@@ -25,8 +25,8 @@ class Frontend:
 
     @classmethod
     def load(cls, path: str) -> Frontend:
-        from kiln.engine.llm import load_tokenizer
-        return cls(load_tokenizer(path))
+        from transformers import AutoTokenizer
+        return cls(AutoTokenizer.from_pretrained(path))
 
     @property
     def has_chat_template(self) -> bool:

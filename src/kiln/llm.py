@@ -9,57 +9,62 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from kiln.config import (
-    CacheConfig,
     EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
     SpeculativeConfig,
-    StructuredConfig,
+    engine_config_from,
+    setting_sections,
+    unknown_setting,
 )
 from kiln.engine.contract import TokenLogprobs
 from kiln.engine.core import EngineCore, RequestError
 from kiln.engine.output_processor import OutputSequence, RequestState
 from kiln.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from kiln.sampling_params import SamplingParams
+from kiln.speculative.resolve import resolve_speculative_config
 
 PromptInput = str | list[int] | dict
+# vLLM's names for settings kiln's configs call otherwise
+VLLM_SETTINGS = {"scheduling_policy": "policy"}
+LLM_KEYWORDS = ("tokenizer", "speculator", "speculative_config")  # LLM's own, beside settings
+
+
+def build_engine_core(config: EngineConfig) -> EngineCore:
+    """The one place LLM builds its engine."""
+    import kiln.quant  # noqa: F401  (registers the quantized formats; until kiln/assembly.py)
+
+    return EngineCore(config)
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, dtype: str = "auto",
-                 max_model_len: int | None = None, kv_cache_memory: int | None = None,
-                 enable_prefix_caching: bool = True, block_size: int = 16,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs",
-                 quantization: str | None = None, seed: int = 0,
-                 num_threads: int | None = None, tokenizer: str | None = None,
-                 kernels: str = "auto", linear_backend: str = "auto",
+    """An engine in this process. `LLM(model, **settings)`: `settings` are the engine configs'
+    fields by name (kiln.config.engine_config_from: dtype, max_model_len, kv_cache_memory,
+    enable_prefix_caching, block_size, max_num_seqs, max_num_batched_tokens,
+    enable_chunked_prefill, policy or vLLM's scheduling_policy, quantization, seed,
+    num_threads, kernels, linear_backend, repetition_guard, ...); an unknown one is a
+    TypeError naming the closest. `speculator` or `speculative_config` turns on speculative
+    decoding (kiln.speculative.resolve); `tokenizer` defaults to the model's."""
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
                  speculator: str | None = None,
-                 speculative_config: SpeculativeConfig | dict | None = None,
-                 repetition_guard: str = "stop"):
-        from kiln.speculative.resolve import resolve_speculative_config
+                 speculative_config: SpeculativeConfig | Mapping | None = None,
+                 **settings: object):
+        config = engine_config_from({"model": model, **_kiln_names(settings)})
+        speculative = resolve_speculative_config(speculator, speculative_config)
+        self._start(config.replace(speculative=speculative), tokenizer)
 
-        config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              quantization=quantization, kernels=kernels,
-                              linear_backend=linear_backend),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill,
-                                      policy=scheduling_policy),
-            parallel=ParallelConfig(num_threads=num_threads),
-            speculative=resolve_speculative_config(speculator, speculative_config),
-            structured=StructuredConfig(repetition_guard=repetition_guard))
-        import kiln.quant  # noqa: F401  (registers the quantized formats; until kiln/assembly.py)
+    @classmethod
+    def from_config(cls, config: EngineConfig, tokenizer: str | None = None) -> LLM:
+        """An LLM over a whole EngineConfig (`kiln generate` builds one from its flags)."""
+        llm = cls.__new__(cls)
+        llm._start(config, tokenizer)
+        return llm
 
-        self.engine = EngineCore(config)
+    def _start(self, config: EngineConfig, tokenizer: str | None) -> None:
+        self.engine = build_engine_core(config)
         self.tokenizer = load_tokenizer(tokenizer or self.engine.model_path)
         self._ids = itertools.count()
 
@@ -181,6 +186,21 @@ class LLM:
 class _Pending(NamedTuple):
     state: RequestState
     prompt: str | None  # the prompt text, when the caller gave text
+
+
+def _kiln_names(settings: Mapping[str, object]) -> dict[str, object]:
+    """`settings` with vLLM's names (VLLM_SETTINGS) replaced by the config fields'; TypeError
+    for a name that is neither, suggesting the closest keyword LLM takes."""
+    renamed = {}
+    for name, value in settings.items():
+        field_name = VLLM_SETTINGS.get(name, name)
+        if field_name not in setting_sections():
+            known = [*setting_sections(), *VLLM_SETTINGS, *LLM_KEYWORDS]
+            raise TypeError(f"LLM(): {unknown_setting(name, known)}")
+        if field_name in renamed:
+            raise TypeError(f"LLM(): {name!r} and {field_name!r} are the same setting")
+        renamed[field_name] = value
+    return renamed
 
 
 def load_tokenizer(path: str):
