@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from kiln.assembly import build_engine_core
 from kiln.config import (
     CacheConfig,
     EngineConfig,
@@ -22,7 +23,7 @@ from kiln.config import (
     StructuredConfig,
 )
 from kiln.engine.contract import TokenLogprobs
-from kiln.engine.core import EngineCore, RequestError
+from kiln.engine.core import RequestError
 from kiln.engine.output_processor import OutputSequence, RequestState
 from kiln.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from kiln.sampling_params import SamplingParams
@@ -57,7 +58,7 @@ class LLM:
             parallel=ParallelConfig(num_threads=num_threads),
             speculative=resolve_speculative_config(speculator, speculative_config),
             structured=StructuredConfig(repetition_guard=repetition_guard))
-        self.engine = EngineCore(config)
+        self.engine = build_engine_core(config)
         self.tokenizer = load_tokenizer(tokenizer or self.engine.model_path)
         self._ids = itertools.count()
 

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.config import CacheConfig, ModelConfig, ParallelConfig, default_num_threads
-from kiln.engine.contract import RunnerOutput, TokenLogprobs
-from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kiln.engine.contract import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kiln.models.layers.ops import get_ops
 from kiln.models.loader import load_model
 from kiln.runner.attention import get_attention_backend
