@@ -12,6 +12,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+from kiln.assembly import build_engine_core
 from kiln.config import (
     EngineConfig,
     SpeculativeConfig,
@@ -20,7 +21,7 @@ from kiln.config import (
     unknown_setting,
 )
 from kiln.engine.contract import TokenLogprobs
-from kiln.engine.core import EngineCore, RequestError
+from kiln.engine.core import RequestError
 from kiln.engine.output_processor import OutputSequence, RequestState
 from kiln.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from kiln.sampling_params import SamplingParams
@@ -31,12 +32,6 @@ PromptInput = str | list[int] | dict
 VLLM_SETTINGS = {"scheduling_policy": "policy"}
 LLM_KEYWORDS = ("tokenizer", "speculator", "speculative_config")  # LLM's own, beside settings
 
-
-def build_engine_core(config: EngineConfig) -> EngineCore:
-    """The one place LLM builds its engine."""
-    import kiln.quant  # noqa: F401  (registers the quantized formats; until kiln/assembly.py)
-
-    return EngineCore(config)
 
 
 class LLM:

@@ -18,7 +18,8 @@ from kiln.cluster.router import (
     decide,
     make_policy,
 )
-from kiln.engine.prefix_cache import BlockStored, hash_prompt_blocks
+from kiln.engine.block_hash import hash_prompt_blocks
+from kiln.engine.prefix_cache import BlockStored
 
 
 def dynamo_example() -> list[WorkerState]:

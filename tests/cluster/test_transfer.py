@@ -9,8 +9,9 @@ import torch
 from kiln.cluster.messages import KVLayout
 from kiln.cluster.transfer import TransferError, check_payload, make_header
 from kiln.config import CacheConfig
+from kiln.engine.block_hash import hash_prompt_blocks
 from kiln.engine.kv_manager import KVCacheManager
-from kiln.engine.prefix_cache import BlockStored, hash_prompt_blocks
+from kiln.engine.prefix_cache import BlockStored
 from kiln.runner import kv_io
 
 BS, HEADS, DIM, LAYERS = 4, 2, 3, 2

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import zmq
 
+from kiln.assembly import build_engine_core
 from kiln.cluster.engine_client import OutputStream
 from kiln.cluster.messages import (
     AbortRequests,
@@ -25,7 +26,7 @@ from kiln.cluster.messages import (
 from kiln.cluster.worker import Worker
 from kiln.config import EngineConfig, ModelConfig, ServeConfig, WorkerConfig
 from kiln.engine.contract import EngineCoreOutput
-from kiln.engine.core import EngineCore, EngineRequest
+from kiln.engine.core import EngineRequest
 from kiln.engine.output_processor import RequestState, fan_out
 from kiln.sampling_params import SamplingParams
 from kiln.serve.auth import KeyStore
@@ -151,7 +152,7 @@ def test_output_stream_batches_and_ends():
 
 @pytest.fixture(scope="module")
 def engine(llama_path):
-    return EngineCore(EngineConfig(model=ModelConfig(model=llama_path, dtype="float32")))
+    return build_engine_core(EngineConfig(model=ModelConfig(model=llama_path, dtype="float32")))
 
 
 def test_worker_loop_over_a_socket_pair(engine):

@@ -6,8 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kiln.config import CacheConfig
+from kiln.engine.block_hash import hash_prompt_blocks
 from kiln.engine.kv_manager import KVCacheManager
-from kiln.engine.prefix_cache import BlockRemoved, BlockStored, hash_prompt_blocks
+from kiln.engine.prefix_cache import BlockRemoved, BlockStored
 from kiln.engine.request import Request
 from kiln.sampling_params import SamplingParams
 

@@ -103,11 +103,12 @@ def measure_steps(model: str | None, dtype: str, threads: int,
                   ) -> tuple[list[tuple[StepShape, float]], str]:
     """Time every step of a sweep on a real engine: single prompts of 16..2048 tokens, then
     batches of 1..64 sequences decoding over 64- and 512-token contexts."""
+    from kiln.assembly import build_engine_core
     from kiln.config import EngineConfig, ModelConfig, ParallelConfig
-    from kiln.engine.core import EngineCore, EngineRequest
+    from kiln.engine.core import EngineRequest
 
-    engine = EngineCore(EngineConfig(model=ModelConfig(model=model, dtype=dtype),
-                                     parallel=ParallelConfig(num_threads=threads)))
+    engine = build_engine_core(EngineConfig(model=ModelConfig(model=model, dtype=dtype),
+                                            parallel=ParallelConfig(num_threads=threads)))
     samples: list[tuple[StepShape, float]] = []
     execute = engine.runner.execute
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kiln.engine.prefix_cache import AllCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+from kiln.engine.block_hash import BlockHash
+from kiln.engine.prefix_cache import AllCleared, BlockRemoved, BlockStored, KVEvent
 
 MAX_BUFFERED_BATCHES = 4096  # while a resync is pending; past this, ask again and drop them
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kiln.cluster.kv_index import KVIndex
-from kiln.engine.prefix_cache import BlockHash, hash_prompt_blocks
+from kiln.engine.block_hash import BlockHash, hash_prompt_blocks
 
 POLICIES = ("round-robin", "least-load", "kv-aware")
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from kiln.assembly import build_engine_core
 from kiln.cluster.messages import (
     AbortRequests,
     AddDecode,
@@ -282,9 +283,7 @@ def run_worker(config: WorkerConfig, incarnation: int = 0,
                on_start: Callable[[Worker], None] | None = None) -> int:
     """Load the engine, serve until told to stop; the process exit status. `on_start` gets
     the worker before it runs (kiln worker wires SIGTERM to `worker.goodbye` there)."""
-    import kiln.quant  # noqa: F401  (registers the quantized formats; until kiln/assembly.py)
-
-    engine = EngineCore(config.engine, emit_kv_events=True)
+    engine = build_engine_core(config.engine, emit_kv_events=True)
     ctx, sock = connect(config, incarnation)
     worker = Worker(config, engine, sock)
     try:

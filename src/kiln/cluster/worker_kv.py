@@ -24,9 +24,9 @@ import zmq
 from kiln.cluster.kv_events import EventPublisher
 from kiln.cluster.messages import DecodeItem, KVHandle, KVLayout, KVSnapshot, PrefillDone
 from kiln.cluster.transfer import Pull, TransferClient, TransferError, TransferServer, check_payload
+from kiln.engine.block_hash import hash_prompt_blocks
 from kiln.engine.contract import EngineCoreOutput
 from kiln.engine.core import EngineCore, EngineRequest
-from kiln.engine.prefix_cache import hash_prompt_blocks
 from kiln.runner import kv_io
 
 log = logging.getLogger("kiln.worker")

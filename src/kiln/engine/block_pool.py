@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-
-from kiln.engine.prefix_cache import PrefixCache
+from typing import Protocol
 
 
 class KVBlock:
@@ -27,8 +26,19 @@ class KVBlock:
         return f"KVBlock({self.block_id}, ref={self.ref_cnt}, {cached})"
 
 
+class ContentIndex(Protocol):
+    """Where the blocks' cached content is looked up (kiln.engine.prefix_cache.PrefixCache);
+    the pool tells it when content goes away."""
+
+    def evict(self, block: KVBlock) -> None:
+        """`block` is about to hold new content: forget its old one."""
+
+    def clear(self) -> None:
+        """Forget every block's content."""
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, prefix_cache: PrefixCache):
+    def __init__(self, num_blocks: int, prefix_cache: ContentIndex):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks

@@ -1,14 +1,19 @@
-"""What one step produces: the runner's sampled tokens and the engine's per-request outputs.
+"""The step contract between the engine and the runner, types only: what the scheduler asks
+of one step (`SchedulerOutput`), what the runner returns (`RunnerOutput`) and the engine's
+per-request outputs (`EngineCoreOutput`).
 
+The runner imports only this module from kiln.engine; it imports only shared leaves.
 `EngineCoreOutput` is a msgspec Struct because it crosses from the worker process to the
 gateway unchanged; `RunnerOutput` stays inside the worker.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
+
+from kiln.sampling_params import SamplingParams
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -47,3 +52,43 @@ class RunnerOutput:
     sampled_token_ids: list[list[int]]  # accepted drafts + one new token; [] if not sampling
     logprobs: list[list[TokenLogprobs]] | None = None
     prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step. Lists are read-only views valid for this step only."""
+
+    request_id: str
+    token_ids: list[int]  # tokens to compute this step; the last `num_draft_tokens` are drafts
+    start_pos: int  # position of token_ids[0] = tokens already in the KV cache
+    num_draft_tokens: int
+    block_ids: list[int]  # the request's whole block table
+    samples: bool  # the step reaches the request's last known token, so it yields tokens
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    prompt_logprobs: bool  # compute logprobs of the prompt tokens in this chunk
+    grammar: object | None = None  # structured-output matcher (kiln.structured), if any
+    draft_probs: object | None = None  # the proposer's q for the scheduled drafts, if any
+    # the scheduled drafts' parents (-1: the last known token; else an earlier draft's index)
+    # when they form a tree; None: a chain (each draft follows the one before)
+    draft_parents: list[int] | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    finished_ids: list[str] = field(default_factory=list)  # runner may drop their state
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Each draft's depth in a tree given its parent (-1 = the root; parents come first)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths

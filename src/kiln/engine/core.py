@@ -3,6 +3,11 @@
 `step()` is synchronous and single-threaded; the worker process (kiln.cluster) and the offline
 `LLM` both drive it. Requests enter as `EngineRequest` (token ids, already validated against
 the model's limits here) and leave as `EngineCoreOutput`s carrying new token ids.
+
+Features plug in through the protocols below, which say what the engine calls on them;
+the engine imports none of them. `kiln.assembly.build_engine_core` is where they are chosen
+and built: structured output (`StructuredOutput`, from kiln.structured) and a speculator
+(`Speculation`, from kiln.speculative). Without them the engine decodes plainly.
 """
 
 from __future__ import annotations
@@ -10,24 +15,93 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import msgspec
 
 from kiln.config import EngineConfig
-from kiln.engine.contract import EngineCoreOutput, RunnerOutput
+from kiln.engine.contract import EngineCoreOutput, RunnerOutput, SchedulerOutput
 from kiln.engine.kv_manager import KVCacheManager, KVCacheStats
 from kiln.engine.limits import EngineLimits, validate_request
 from kiln.engine.limits import RequestError as RequestError  # re-exported: its old home
 from kiln.engine.request import Request, RequestStatus
-from kiln.engine.scheduler import Scheduler
+from kiln.engine.scheduler import KEEP, Scheduler, TokenCheck
 from kiln.sampling_params import SamplingParams
-from kiln.structured.bitmask import GrammarRows
-from kiln.structured.hooks import StructuredHooks
-from kiln.structured.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
+
+# (request, its drafts) -> how many leading drafts to keep
+DraftFilter = Callable[[Request, list[int]], int]
+
+
+class StructuredOutput(Protocol):
+    """Grammars and the repetition guard, as the engine calls them (kiln.structured's
+    `StructuredHooks`). Lifecycle: `validate` (optional) and `attach` when a request arrives,
+    `check_token` on each sampled token (the scheduler's `TokenChecker`), `draft_filter` on
+    each draft (the speculator's), `wait_for_compile` when a step had nothing to run."""
+
+    def validate(self, params: SamplingParams) -> None:
+        """Raise RequestError if the request's constraints can never be used."""
+
+    def attach(self, request: Request) -> None:
+        """Give a new request its grammar and guard state (may not block on a compile)."""
+
+    def check_token(self, request: Request, token: int) -> TokenCheck:
+        """The verdict on `token`, sampled for `request` and not yet appended."""
+
+    def draft_filter(self, request: Request, drafts: list[int]) -> int:
+        """How many leading `drafts` the request's constraints allow."""
+
+    def wait_for_compile(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for any grammar still compiling."""
+
+
+class Speculation(Protocol):
+    """A speculator (kiln.speculative): after each step, it sets the running requests'
+    drafts (`Request.spec_token_ids`) for the next one."""
+
+    draft_filter: DraftFilter | None  # the engine installs structured output's
+
+    def after_step(self, sched: SchedulerOutput, outputs: list[EngineCoreOutput],
+                   step_seconds: float) -> None:
+        """Called once per step that ran, after `Scheduler.update` (verified tokens only)."""
+
+
+class StructuredFactory(Protocol):
+    def __call__(self, vocab_size: int, eos_token_ids: frozenset[int]) -> StructuredOutput: ...
+
+
+# builds the speculator once the engine has its runner and scheduler (it reads both)
+SpeculationFactory = Callable[["EngineCore"], Speculation]
+
+
+class PlainOutput:
+    """Structured output for an engine built without it: every token kept, every draft
+    allowed, and a request that asks for a grammar refused."""
+
+    def validate(self, params: SamplingParams) -> None:
+        if params.structured_outputs is not None:
+            raise RequestError("this engine was built without structured output",
+                               param="structured_outputs")
+
+    def attach(self, request: Request) -> None:
+        self.validate(request.params)
+
+    def check_token(self, request: Request, token: int) -> TokenCheck:
+        return KEEP
+
+    def draft_filter(self, request: Request, drafts: list[int]) -> int:
+        return len(drafts)
+
+    def wait_for_compile(self, timeout_s: float) -> None:
+        pass
+
+
+def plain_output(vocab_size: int, eos_token_ids: frozenset[int]) -> StructuredOutput:
+    return PlainOutput()
 
 
 class EngineRequest(msgspec.Struct, kw_only=True):
@@ -69,14 +143,17 @@ def eos_token_ids(model_path: str, hf_config: dict) -> frozenset[int]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, emit_kv_events: bool = False):
+    def __init__(self, config: EngineConfig, emit_kv_events: bool = False, *,
+                 structured: StructuredFactory = plain_output,
+                 speculator: SpeculationFactory | None = None):
+        """Load the model and size the KV cache; `structured` and `speculator` build the
+        features (kiln.assembly passes kiln's; see the module docstring)."""
         from kiln.models.loader import read_hf_config
         from kiln.runner.model_runner import ModelRunner, num_kv_blocks
 
         self.config = config
         self.model_path = resolve_model_path(config.model.model)
         hf_config = read_hf_config(self.model_path)
-        vocab = Vocabulary.load_in_background(self.model_path)  # while the model loads
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
         self.runner = ModelRunner(config.model, self.model_path, config.cache, config.parallel,
                                   self.eos_token_ids)
@@ -86,21 +163,25 @@ class EngineCore:
                                    config.scheduler.max_num_seqs)
         self.runner.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(config.cache, num_blocks, emit_events=emit_kv_events)
-        self.scheduler = Scheduler(self._scheduler_config(), self.kv, self.max_model_len)
-        # kiln.structured: grammars (compiled off the step loop) and the repetition guard
-        self.structured = StructuredHooks(config.structured, vocab.result(self.vocab_size),
-                                           self.eos_token_ids)
-        self.scheduler.token_check = self.structured.check_token
-        self.runner.grammar_rows = GrammarRows  # each step's bitmask (kiln.runner.hooks)
-        self.speculator = None  # kiln.speculative: sets draft tokens after each step
-        if config.speculative is not None:
-            from kiln.speculative.speculator import build_speculator
-            self.speculator = build_speculator(config.speculative, self)
-            self.speculator.draft_filter = self.structured.draft_filter
+        # grammars (compiled off the step loop) and the repetition guard
+        self.structured = structured(self.vocab_size, self.eos_token_ids)
+        self.scheduler = Scheduler(self._scheduler_config(), self.kv, self.max_model_len,
+                                   token_check=self.structured.check_token)
+        self.speculator = self._build_speculator(speculator)  # drafts after each step
         self.limits = EngineLimits(max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                    block_size=config.cache.block_size, num_kv_blocks=num_blocks)
         log.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
                  self.model_path, num_blocks, config.cache.block_size, self.max_model_len)
+
+    def _build_speculator(self, factory: SpeculationFactory | None) -> Speculation | None:
+        if factory is None:
+            if self.config.speculative is not None:
+                raise ValueError("config.speculative is set but no speculator was given "
+                                 "(kiln.assembly.build_engine_core builds one)")
+            return None
+        speculator = factory(self)
+        speculator.draft_filter = self.structured.draft_filter
+        return speculator
 
     def _resolve_max_model_len(self, hf_config: dict) -> int:
         limit = hf_config.get("max_position_embeddings", 2048)

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.config import CacheConfig
+from kiln.engine.block_hash import extend_block_hashes
 from kiln.engine.block_pool import BlockPool, KVBlock
-from kiln.engine.prefix_cache import PrefixCache, extend_block_hashes
+from kiln.engine.prefix_cache import PrefixCache
 from kiln.engine.request import Request
 
 

@@ -1,10 +1,8 @@
-"""Prefix caching: chained block hashes, the hash -> block map, and KV events.
+"""Prefix caching: the block hash -> block map, and KV events.
 
-A full block's hash covers its parent's hash, its token ids and extra keys (the tenant's cache
-salt, folded into the first block only so that every later hash inherits it). Two requests
-share a block exactly when their token prefixes (and salts) are identical up to that block's
-end. The router hashes prompts with the same `hash_block_tokens`, so its view and the
-workers' caches agree bit for bit.
+Blocks are identified by their chained hashes (kiln.engine.block_hash, which the router
+hashes prompts with too). The pool calls `evict` and `clear` here through its
+`ContentIndex` seam, so the pool does not import this module.
 
 Events (`BlockStored`, `BlockRemoved`, `AllCleared`) are collected when `emit_events` is on and
 drained by the worker, which numbers and publishes them.
@@ -12,43 +10,12 @@ drained by the worker, which numbers and publishes them.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import msgspec
-import numpy as np
 
-if TYPE_CHECKING:
-    from kiln.engine.block_pool import KVBlock
-
-BlockHash = bytes  # 16 bytes of sha256
-
-
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int],
-                      salt: str | None = None) -> BlockHash:
-    """Hash of one full block, chained on its parent's hash (None for the first block)."""
-    h = hashlib.sha256(parent or b"\0")
-    if parent is None and salt:
-        h.update(b"salt:" + salt.encode())
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.digest()[:16]
-
-
-def hash_prompt_blocks(token_ids: Sequence[int], block_size: int,
-                       salt: str | None = None) -> list[BlockHash]:
-    """Hashes of every full block of `token_ids` (what the router computes for a prompt)."""
-    hashes: list[BlockHash] = []
-    extend_block_hashes(hashes, token_ids, block_size, salt)
-    return hashes
-
-
-def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        salt: str | None = None) -> None:
-    """Append hashes for full blocks of `token_ids` not yet covered by `hashes` (in place)."""
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hashes[-1] if hashes else None
-        hashes.append(hash_block_tokens(parent, token_ids[start:start + block_size], salt))
+from kiln.engine.block_hash import BlockHash
+from kiln.engine.block_pool import KVBlock
 
 
 class BlockStored(msgspec.Struct, tag=True):

@@ -18,58 +18,48 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 from kiln.config import SchedulerConfig
-from kiln.engine.contract import EngineCoreOutput, RunnerOutput
+from kiln.engine.contract import (
+    EngineCoreOutput,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    tree_depths,
+)
 from kiln.engine.kv_manager import KVCacheManager
 from kiln.engine.request import Request, RequestStatus
-from kiln.sampling_params import SamplingParams
-from kiln.structured.hooks import no_check
 
 
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step. Lists are read-only views valid for this step only."""
+@dataclass(frozen=True)
+class TokenCheck:
+    """The verdict on one sampled token."""
 
-    request_id: str
-    token_ids: list[int]  # tokens to compute this step; the last `num_draft_tokens` are drafts
-    start_pos: int  # position of token_ids[0] = tokens already in the KV cache
-    num_draft_tokens: int
-    block_ids: list[int]  # the request's whole block table
-    samples: bool  # the step reaches the request's last known token, so it yields tokens
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    prompt_logprobs: bool  # compute logprobs of the prompt tokens in this chunk
-    grammar: object | None = None  # structured-output matcher (kiln.structured), if any
-    draft_probs: object | None = None  # the proposer's q for the scheduled drafts, if any
-    # the scheduled drafts' parents (-1: the last known token; else an earlier draft's index)
-    # when they form a tree; None: a chain (each draft follows the one before)
-    draft_parents: list[int] | None = None
+    keep: bool = True  # False: drop it and sample the same position again (a redraw)
+    status: RequestStatus | None = None  # append it, then finish the request with this
 
 
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    num_batched_tokens: int
-    finished_ids: list[str] = field(default_factory=list)  # runner may drop their state
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
+KEEP = TokenCheck()
 
 
-def tree_depths(parents: list[int]) -> list[int]:
-    """Each draft's depth in a tree given its parent (-1 = the root; parents come first)."""
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-    return depths
+class TokenChecker(Protocol):
+    """Judges each sampled token of `request` before the scheduler appends it (kiln.structured
+    plugs in here: the grammar advances, the repetition guard runs). May mutate the request's
+    grammar and guard state; must not touch the scheduler."""
+
+    def __call__(self, request: Request, token: int) -> TokenCheck: ...
+
+
+def keep_every_token(request: Request, token: int) -> TokenCheck:
+    """The token check of an engine without structured output (and of unit tests)."""
+    return KEEP
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 token_check: TokenChecker = keep_every_token):
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -80,9 +70,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
-        # kiln.structured: the verdict on each sampled token before it is appended (grammar,
-        # repetition guard); EngineCore installs StructuredHooks.check_token
-        self.token_check = no_check
+        self.token_check = token_check
 
     # -- intake ---------------------------------------------------------------------------
 

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.config import CacheConfig, ModelConfig, ParallelConfig, default_num_threads
-from kiln.engine.contract import RunnerOutput, TokenLogprobs
-from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kiln.engine.contract import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kiln.models.layers.attention import AttentionMetadata
 from kiln.models.layers.ops import ops_for
 from kiln.models.loader import load_model

@@ -380,10 +380,8 @@ def _decode_only(sched: SchedulerOutput, batch: int) -> bool:
 
 
 def build_speculator(config: SpeculativeConfig, engine) -> Speculator:
-    """The speculator for an EngineCore (reads its runner, configs and scheduler)."""
-    from kiln.speculative import register_builtin_proposers
-
-    register_builtin_proposers()  # until the composition root (kiln.assembly) does
+    """The speculator for an EngineCore (reads its runner, configs and scheduler). The
+    proposers must be registered first (kiln.assembly.register_plugins)."""
     ec = engine.config
     ctx = ProposerContext(target=engine.runner, model_path=engine.model_path, model=ec.model,
                           cache=ec.cache, scheduler=ec.scheduler, parallel=ec.parallel,

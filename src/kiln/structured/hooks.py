@@ -1,9 +1,10 @@
 """The engine's structured side: grammars for the requests that ask for one, the repetition
 guard for all, and a verdict on every sampled token.
 
-`EngineCore` owns one `StructuredHooks` and wires it in:
+`EngineCore` owns one `StructuredHooks` (built by `kiln.assembly`; the engine's side of the
+seam is `kiln.engine.core.StructuredOutput`) and wires it in:
   attach(request)               on arrival: start the grammar's compile, set up the guard
-  check_token(request, token)   `Scheduler.token_check`: each sampled token, before the
+  check_token(request, token)   the scheduler's `TokenChecker`: each sampled token, before the
                                 scheduler appends it (advance the grammar, run the guard)
   draft_filter(request, drafts) `Speculator.draft_filter`: leading drafts the grammar allows
   validate(params)              compile now (the offline LLM checks before adding anything)
@@ -16,11 +17,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from dataclasses import dataclass
 
 from kiln.config import StructuredConfig
 from kiln.engine.limits import RequestError
 from kiln.engine.request import Request, RequestStatus
+from kiln.engine.scheduler import KEEP, TokenCheck
 from kiln.sampling_params import SamplingParams
 from kiln.structured.compiler import GrammarCompiler
 from kiln.structured.constraint import TokenConstraint
@@ -31,21 +32,7 @@ from kiln.structured.vocab import Vocabulary
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class TokenCheck:
-    """The verdict on one sampled token."""
-
-    keep: bool = True  # False: drop it and sample the same position again (a redraw)
-    status: RequestStatus | None = None  # append it, then finish the request with this
-
-
-KEEP = TokenCheck()
 REDRAW = TokenCheck(keep=False)
-
-
-def no_check(request: Request, token: int) -> TokenCheck:
-    """The scheduler's token check without an engine (unit tests): keep every token."""
-    return KEEP
 
 
 class StructuredHooks:

@@ -1,0 +1,49 @@
+"""The composition root: an EngineCore with kiln's features plugged in.
+
+The engine defines the seams it calls (`kiln.engine.core.StructuredOutput`, `Speculation`,
+the scheduler's `TokenChecker`) and imports no feature; this module, above the engine and
+beside the features (rank 4), registers the plugins and builds the features for it. Every
+engine a user meets comes from `build_engine_core`: the offline `LLM` and the cluster worker.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from kiln.config import EngineConfig
+from kiln.engine.core import EngineCore, SpeculationFactory, StructuredOutput, resolve_model_path
+from kiln.speculative import register_builtin_proposers
+from kiln.speculative.speculator import build_speculator
+from kiln.structured.bitmask import GrammarRows
+from kiln.structured.hooks import StructuredHooks
+from kiln.structured.vocab import Vocabulary, VocabularyLoad
+
+
+def build_engine_core(config: EngineConfig, *, emit_kv_events: bool = False) -> EngineCore:
+    """Load the model into an EngineCore with structured output and, when
+    `config.speculative` is set, a speculator. `emit_kv_events`: the prefix cache records
+    KV events for a router (the cluster worker publishes them)."""
+    register_plugins()
+    # the tokenizer loads on a thread while the engine loads the model
+    vocab = Vocabulary.load_in_background(resolve_model_path(config.model.model))
+    speculator: SpeculationFactory | None = None
+    if config.speculative is not None:
+        speculator = partial(build_speculator, config.speculative)
+    engine = EngineCore(config, emit_kv_events,
+                        structured=partial(_structured_output, config, vocab),
+                        speculator=speculator)
+    engine.runner.grammar_rows = GrammarRows  # each step's bitmask (kiln.runner.hooks)
+    return engine
+
+
+def register_plugins() -> None:
+    """Import the modules that register kiln's built-in plugins by name: the quantized
+    weight formats with their linear methods, and the speculative proposers."""
+    import kiln.quant  # noqa: F401
+
+    register_builtin_proposers()
+
+
+def _structured_output(config: EngineConfig, vocab: VocabularyLoad, vocab_size: int,
+                       eos_token_ids: frozenset[int]) -> StructuredOutput:
+    return StructuredHooks(config.structured, vocab.result(vocab_size), eos_token_ids)
