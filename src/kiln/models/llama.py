@@ -240,8 +240,9 @@ def stack_weights(model: LlamaForCausalLM) -> dict:
     int8 = any(t[1].numel() for t in stored)
     for name, ms in projections.items():  # empty lists: every layer bf16
         out[f"{name}_scale"] = [tensors[m][1] for m in ms] if int8 else []
-    from kiln.models.layers.cpu_bf16 import BF16_GEMM_MAX_TOKENS, CpuBf16LinearMethod
-    from kiln.quant.kernels import INT8_GEMV_MAX_TOKENS
+    from kiln.kernels.bf16_mm import BF16_GEMM_MAX_TOKENS
+    from kiln.kernels.quant_mm import INT8_GEMV_MAX_TOKENS
+    from kiln.models.layers.cpu_bf16 import CpuBf16LinearMethod
 
     plain_bf16 = any(isinstance(m.method, CpuBf16LinearMethod) for m in linears)
     # int8_gemv and bf16_gemm serve only decode-sized steps; larger ones go layer by layer

@@ -1,7 +1,7 @@
 """Elementwise model ops: the plain torch reference and the fused C++ kernels beside it.
 
 `TorchOps` is the reference (and what fp32 parity tests run); `KernelOps` calls the fused
-kernels in kiln/runner/cpu_ops (one pass over memory instead of several torch ops each). A
+kernels in kiln/kernels/cpu (one pass over memory instead of several torch ops each). A
 model gets one `ModelOps` object and calls it; nothing else changes between the two paths.
 """
 
@@ -45,7 +45,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class KernelOps(TorchOps):
-    """Fused C++ kernels (fp32 math, one rounding); requires `kiln.runner.cpu_ops.load()`."""
+    """Fused C++ kernels (fp32 math, one rounding); requires `kiln.kernels.cpu.load()`."""
 
     name = "kernels"
 
@@ -65,9 +65,9 @@ def get_ops(name: str) -> TorchOps:
     """"torch" (reference), "kernels" (C++), or "auto" (kernels where they build)."""
     if name == "torch":
         return TorchOps()
-    from kiln.runner import cpu_ops
+    from kiln.kernels import cpu as cpu_kernels
 
-    if cpu_ops.load():
+    if cpu_kernels.load():
         return KernelOps()
     if name == "kernels":
         raise RuntimeError("the kiln CPU kernels could not be built (see the log)")
