@@ -3,11 +3,14 @@
 // and rounds once to the tensor dtype.
 #pragma once
 
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cstdint>
