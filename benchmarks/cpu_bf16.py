@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from rich.progress import track
 
 from kiln.bench.result import cpu_summary
-from kiln.runner import cpu_ops
+from kiln.kernels import cpu as cpu_kernels
 
 SHAPES = [(576, 1536), (1536, 576)]  # (in_features K, out_features N)
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 256]
@@ -140,7 +140,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu_bf16.json"))
     parser.add_argument("--plot", type=Path, default=Path("benchmarks/results/cpu_bf16.png"))
     args = parser.parse_args()
-    if not cpu_ops.load():
+    if not cpu_kernels.load():
         raise SystemExit("the kiln CPU kernels did not build")
     torch.set_num_threads(args.threads)
     result = {"cpu": cpu_summary(), "threads": args.threads, "layers": layer_rows(args.copies),

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from kiln.models.layers.onednn import onednn_available
-from kiln.runner import cpu_ops
+from kiln.kernels import cpu as cpu_kernels
+from kiln.kernels.bf16_mm import onednn_available
 
 SHAPES = [(576, 1536), (1536, 576)]  # (in_features K, out_features N)
 
@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--copies", type=int, default=64)
     args = parser.parse_args()
-    if not cpu_ops.load():
+    if not cpu_kernels.load():
         raise SystemExit("the kiln CPU kernels did not build")
     for threads in map(int, args.threads.split(",")):
         torch.set_num_threads(threads)

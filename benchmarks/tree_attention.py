@@ -8,7 +8,7 @@ bits, as the engine passes them) over its context, in every layer: this times
 head dim 64, bf16 cache, 16-token blocks) over 30 layers, per query length, with 1 thread and
 with 2. With 3 kv heads on 2 threads a job per kv head leaves one thread two heads and the
 other one; the kernel splits such a query's tokens between jobs (`paged_attention` in
-kiln/runner/cpu_ops/kernels.cpp), and the 2-thread time over the 1-thread time says how well
+kiln/kernels/cpu/paged_attention.cpp), and the 2-thread time over the 1-thread time says how well
 the two threads share it. Median of 60 timings of 30 calls each.
 """
 
@@ -22,7 +22,7 @@ import time
 import torch
 
 from kiln.bench.result import cpu_summary
-from kiln.runner import cpu_ops
+from kiln.kernels import cpu as cpu_kernels
 
 LAYERS, HQ, HKV, D, BLOCK = 30, 9, 3, 64, 16
 
@@ -62,7 +62,7 @@ def main() -> int:
     parser.add_argument("--queries", type=int, nargs="+", default=[1, 4, 13, 21, 32])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if not cpu_ops.load():
+    if not cpu_kernels.load():
         parser.error("kiln's CPU kernels did not build here")
     rows = []
     print("| query tokens | 1 thread (ms, 30 layers) | 2 threads | 1 thread / 2 threads |")

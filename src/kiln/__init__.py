@@ -1,9 +1,9 @@
 """kiln: an LLM inference server. Offline API: `from kiln import LLM, SamplingParams`."""
 
 from kiln.sampling_params import SamplingParams
+from kiln.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name: str):

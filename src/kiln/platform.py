@@ -28,7 +28,7 @@ class KernelSet(enum.Enum):
     """Which implementations of the model's elementwise ops (norms, SiLU, rotary) run."""
 
     TORCH = "torch"  # plain torch: the reference every kernel is tested against
-    CPP = "cpp"  # kiln's fused C++ CPU kernels (kiln.runner.cpu_ops)
+    CPP = "cpp"  # kiln's fused C++ CPU kernels (kiln.kernels.cpu)
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -72,9 +72,9 @@ def resolve_kernel_set(name: str) -> KernelSet:
     """"torch", "cpp" (must build) or "auto" (kiln's kernels where they build)."""
     if name == "torch":
         return KernelSet.TORCH
-    from kiln.runner import cpu_ops
+    from kiln.kernels import cpu as cpu_kernels
 
-    if cpu_ops.load():
+    if cpu_kernels.load():
         return KernelSet.CPP
     if name == "cpp":
         raise RuntimeError("the kiln CPU kernels could not be built (see the log)")

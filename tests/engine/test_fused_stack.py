@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.runner import cpu_ops, fused_stack
+from kiln.kernels import cpu as cpu_kernels
+from kiln.runner import fused_stack
 
-pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="kiln CPU kernels did not build")
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="kiln CPU kernels did not build")
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 40, 90, 17)]  # short and long prefill chunks
 
@@ -64,7 +65,7 @@ def test_bf16_fp32_weights_fuse_on_decode_steps_only(tiny_ckpt, monkeypatch):
     """bf16 weights with fp32 arithmetic (kiln's bf16_gemm, the default on CPUs without bf16
     instructions; forced here so every machine runs it) inside the stack on decode-sized
     steps, prefill layer by layer, with the same bits as the per-layer path."""
-    from kiln.models.layers.cpu_bf16 import BF16_GEMM_MAX_TOKENS
+    from kiln.kernels.bf16_mm import BF16_GEMM_MAX_TOKENS
 
     fused_llm = tiny_llm(tiny_ckpt, linear_backend="bf16-fp32")
     stack = fused_llm.engine.runner.stack

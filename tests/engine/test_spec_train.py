@@ -298,7 +298,7 @@ def test_cli_rejects_self_distill_of_prompts(llama_path, tmp_path, capsys):
 def test_autocast_follows_the_cpu_unless_set():
     """bf16 autocast by default only where the CPU has bf16 arithmetic (emulated bf16 matmuls
     run several times slower than fp32 ones); an explicit setting wins."""
-    from kiln.models.layers.onednn import onednn_available
+    from kiln.kernels.bf16_mm import onednn_available
     from kiln.speculative.training.train import TrainConfig, bf16_autocast
 
     for setting, expected in ((None, onednn_available(torch.bfloat16)), (True, True),

@@ -51,8 +51,8 @@ def test_small_batch_int8_linear(dtype):
     """int8 weight-only rows serve inputs of up to INT8_GEMV_MAX_TOKENS rows (at most
     ONEDNN_MAX_INT8_ROWS beside a oneDNN-packed bf16 copy, which is faster from there), within
     int8's rounding of the dense product; larger inputs take the dense weight exactly."""
+    from kiln.kernels.quant_mm import INT8_GEMV_MAX_TOKENS
     from kiln.models.layers.onednn import OneDNNLinearMethod
-    from kiln.quant.kernels import INT8_GEMV_MAX_TOKENS
     from kiln.speculative.head.model import (
         ONEDNN_MAX_INT8_ROWS,
         SmallBatchInt8,
@@ -115,11 +115,11 @@ def test_draft_rows_attend_their_context_and_own_path(backend, width):
     (beams reordered between steps, two rows continuing one beam), with GQA (query head i
     reads kv head i // 2), as a per-row softmax over exactly those keys; the context's blocks
     are never written. One context ends inside a block, the other on a block boundary."""
-    from kiln.runner import cpu_ops
+    from kiln.kernels import cpu as cpu_kernels
     from kiln.runner.attention import get_attention_backend, slot_mapping_for
     from kiln.speculative.head.kv import DraftRows, HeadKV
 
-    kernels = cpu_ops.load()
+    kernels = cpu_kernels.load()
     if backend == "cpu" and not kernels:
         pytest.skip("kiln's C++ kernels did not build here")
     torch.manual_seed(0)

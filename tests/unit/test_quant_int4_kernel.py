@@ -1,5 +1,6 @@
-"""int4 on torch's CPU int4 kernel: the repack is reversible, the kernel path matches the
-reference dequantize path, and layers fall back (with a log line) where the kernel cannot run."""
+"""int4 layers on torch's CPU int4 kernel: the repack keeps the stored tensors, the kernel path
+matches the reference dequantize path, and layers fall back (with a log line) where the kernel
+cannot run (the kernel's layout itself: tests/kernels/test_quant_mm.py)."""
 
 import logging
 
@@ -7,14 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kiln.kernels.quant_mm import INT4_KERNEL_MAX_TOKENS, int4_kernel_unavailable
 from kiln.models.layers.linear import Linear, get_linear_method
-from kiln.quant.kernels import (
-    INT4_KERNEL_MAX_TOKENS,
-    int4_kernel_group,
-    int4_kernel_pack,
-    int4_kernel_unavailable,
-    int4_kernel_unpack,
-)
 
 INT4 = [f"int4-g{g}-{s}" for g in (32, 64, 128) for s in ("sym", "asym")]
 needs_kernel = pytest.mark.skipif(int4_kernel_unavailable(torch.bfloat16) is not None,
@@ -32,20 +27,6 @@ def build(name: str, shards: list[int], in_features: int, dtype=torch.bfloat16,
     packed = layer.weight_packed.clone()
     method.finalize(layer)
     return layer, packed
-
-
-@needs_kernel
-@pytest.mark.parametrize("shape", [(80, 64), (960, 576), (576, 1536), (16, 32)])
-def test_kernel_layout_unpacks_to_the_codes(shape):
-    codes = torch.randint(0, 16, shape, dtype=torch.uint8)
-    assert torch.equal(int4_kernel_unpack(int4_kernel_pack(codes), shape[1]), codes)
-
-
-def test_kernel_group_expresses_kiln_groups_exactly():
-    assert int4_kernel_group(128, 576, 960) == 64  # 576 = 4 x 128 + 64: 64 divides both
-    assert int4_kernel_group(128, 1536, 576) == 128
-    assert int4_kernel_group(32, 576, 960) == 32
-    assert int4_kernel_group(128, 576, 100) is None  # the kernel wants out % 16 == 0
 
 
 @needs_kernel

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kiln.kernels.quant_mm import INT8_WEIGHT_ONLY_MAX_TOKENS, int8_weight_only_mm
 from kiln.models.layers.linear import Linear, available_linear_methods, get_linear_method
 from kiln.quant import get_format
-from kiln.quant.kernels import INT8_WEIGHT_ONLY_MAX_TOKENS, int8_weight_only_mm
 
 IN = 128
 SHARDS = [32, 16, 16]  # fused q/k/v-like output rows

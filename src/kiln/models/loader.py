@@ -16,6 +16,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+import kiln.models.layers.cpu_bf16  # noqa: F401  (registers dense-bf16-fp32)
+import kiln.models.layers.onednn  # noqa: F401  (registers dense-onednn)
 from kiln.models.layers.linear import Linear, LinearMethod, get_linear_method
 from kiln.models.registry import resolve_architecture
 
@@ -76,13 +78,12 @@ def load_model(path: str | Path, dtype: torch.dtype, backend,
 def dense_method(dtype: torch.dtype, linear_backend: str = "auto") -> str:
     """The dense weight format: oneDNN-prepacked bf16 where it runs, else bf16 weights with
     fp32 arithmetic in kiln's kernel (CPUs without bf16 instructions), else plain torch."""
-    from kiln.models.layers.cpu_bf16 import cpu_bf16_available
-    from kiln.models.layers.onednn import onednn_available
+    from kiln.kernels.bf16_mm import bf16_gemm_available, onednn_available
 
     if linear_backend == "torch":
         return "dense"
     if linear_backend == "bf16-fp32":
-        if not cpu_bf16_available(dtype):
+        if not bf16_gemm_available(dtype):
             raise ValueError(f"linear_backend bf16-fp32 needs bf16 weights and kiln's CPU "
                              f"kernels; dtype is {dtype}")
         return "dense-bf16-fp32"
@@ -90,7 +91,7 @@ def dense_method(dtype: torch.dtype, linear_backend: str = "auto") -> str:
         return "dense-onednn"
     if linear_backend == "onednn":
         raise ValueError(f"linear_backend onednn needs bf16 weights and oneDNN; dtype is {dtype}")
-    if cpu_bf16_available(dtype):
+    if bf16_gemm_available(dtype):
         return "dense-bf16-fp32"
     return "dense"
 

@@ -21,7 +21,7 @@ to one per output row at `finalize`, so fused q/k/v with different global scales
 Compute: the reference path dequantizes the weight in row tiles of at most `tile_elements`
 values and multiplies in the activation dtype. Nothing dequantized is cached between calls:
 a cache would give the memory saving back, so each call pays the dequantization (which
-dominates at batch 1). int8 uses kiln's or torch's int8 kernels where kiln.quant.kernels
+dominates at batch 1). int8 uses kiln's or torch's int8 kernels where kiln.kernels.quant_mm
 has one; int4 (both variants) is repacked at `finalize` into the layout of torch's CPU int4
 kernel, which serves bf16/fp16 activations at small token counts (see Int4LinearMethod).
 """
@@ -36,15 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.models.layers.linear import Linear, StackTensors, register_linear_method, shard_rows
-from kiln.quant.formats import (
-    Int4Format,
-    StoredTensor,
-    WeightFormat,
-    available_formats,
-    get_format,
-)
-from kiln.quant.kernels import (
+from kiln.kernels.quant_mm import (
     INT8_GEMV_MAX_TOKENS,
     int4_kernel_group,
     int4_kernel_pack,
@@ -55,6 +47,14 @@ from kiln.quant.kernels import (
     int8_gemv_mm,
     int8_int8_mm,
     int8_weight_only_mm,
+)
+from kiln.models.layers.linear import Linear, StackTensors, register_linear_method, shard_rows
+from kiln.quant.formats import (
+    Int4Format,
+    StoredTensor,
+    WeightFormat,
+    available_formats,
+    get_format,
 )
 from kiln.quant.packing import pack_nibbles, unpack_nibbles
 

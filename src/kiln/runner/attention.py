@@ -196,14 +196,14 @@ class CpuPagedAttention:
     Long prefill chunks go to the C++ prefill kernel (bf16 with AVX512-BF16 dot products,
     head dim 64 or 128: ~3x torch's CPU flash attention here) and otherwise through SDPA one
     sequence at a time with a causal bias (the gather cost is amortized over many query tokens,
-    and SDPA skips the masked half). Needs kiln.runner.cpu_ops."""
+    and SDPA skips the masked half). Needs kiln.kernels.cpu."""
 
     max_kernel_query_len = 16
 
     def __init__(self):
-        from kiln.runner import cpu_ops
+        from kiln.kernels import cpu as cpu_kernels
 
-        if not cpu_ops.load():
+        if not cpu_kernels.load():
             raise RuntimeError("the cpu attention backend needs the kiln CPU kernels")
         self.bf16_prefill = bool(torch.ops.kiln.has_bf16_attention())
         if not self.bf16_prefill:

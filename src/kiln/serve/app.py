@@ -14,7 +14,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-import kiln
 from kiln.serve.auth import APIKeyAuth, KeyStore, tenant_salt
 from kiln.serve.chat import create_chat_completion
 from kiln.serve.completions import create_completion
@@ -35,13 +34,14 @@ from kiln.serve.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from kiln.version import __version__
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
 SSE = {200: {"content": {"text/event-stream": {}}}}
 
 
 def build_app(ctx: ServeContext) -> FastAPI:
-    app = FastAPI(title="kiln", version=kiln.__version__, lifespan=_lifespan(ctx),
+    app = FastAPI(title="kiln", version=__version__, lifespan=_lifespan(ctx),
                   description="An OpenAI-compatible LLM inference server.")
     install_handlers(app)
     _add_routes(app, ctx)

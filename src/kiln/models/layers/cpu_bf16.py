@@ -6,48 +6,21 @@ oneDNN cannot prepack bf16 weights there, and torch's generic bf16 matmul runs a
 fp32. This method keeps the weights in bf16 (half the bytes of fp32, which decode streams from
 memory every step) and does the arithmetic in fp32: kiln's `bf16_gemm` kernel for up to
 BF16_GEMM_MAX_TOKENS tokens (each weight row widened in registers and read once per 8 tokens),
-and a widened copy through fp32 GEMM for more (prefill, where compute dominates).
+and a widened copy through fp32 GEMM for more (prefill, where compute dominates); both in
+kiln.kernels.bf16_mm.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.nn.functional as F
 
+from kiln.kernels.bf16_mm import BF16_GEMM_MAX_TOKENS, widened_mm
 from kiln.models.layers.linear import (
     NO_SCALE,
     DenseLinearMethod,
     StackTensors,
     register_linear_method,
 )
-
-# Measured per call (2 threads, weights cycled through 32 copies so they come from memory;
-# `python benchmarks/cpu_bf16.py`, AVX2 EPYC): kernel vs widen + fp32 GEMM on 576x1536 is 98
-# vs 374 us at 2 tokens, 329 vs 548 at 16, 681 vs 1409 at 32, 1386 vs 1931 at 64; on 1536x576
-# the widened copy wins from 64 tokens (1864 vs 1717).
-BF16_GEMM_MAX_TOKENS = int(os.environ.get("KILN_BF16_GEMM_MAX_TOKENS", "32"))
-
-
-def cpu_bf16_available(dtype: torch.dtype) -> bool:
-    """True for bf16 weights where kiln's vectorized bf16_gemm kernel built."""
-    if dtype != torch.bfloat16:
-        return False
-    from kiln.runner import cpu_ops
-
-    return cpu_ops.load() and bool(torch.ops.kiln.bf16_gemm_vectorized())
-
-
-def widened_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight bf16 [N, K]^T in fp32 arithmetic, rounded once to x's dtype."""
-    if x.shape[0] <= BF16_GEMM_MAX_TOKENS:
-        return _kernel(x, weight)
-    return F.linear(x.float(), weight.float()).to(x.dtype)
-
-
-def _kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.kiln.bf16_gemm(x, weight)
 
 
 @register_linear_method("dense-bf16-fp32")

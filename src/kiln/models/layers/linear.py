@@ -18,8 +18,10 @@ Contract of a method, in lifecycle order:
      reads them (kiln.runner.fused_stack), or None where that stack cannot run this layer;
      the stack then declines and the layers run one call each.
 
-Quantized formats register themselves when kiln.quant is imported (by whoever builds an engine;
-models never import it).
+Each format registers itself when its module is imported: the dense CPU ones
+(`cpu_bf16`, `onednn`) by the loader that picks between them, the quantized ones when kiln.quant
+is imported (by the composition root, kiln.assembly; models never import it). This registry
+imports none of them.
 A sharded linear (tensor parallelism) is one more method: it creates and loads only its rank's
 rows or columns, reduces its output through a collective in `apply`, and returns None from
 `stack_tensors` (the fused stack has no collective).
@@ -76,22 +78,13 @@ def register_linear_method(name: str) -> Callable:
 
 def get_linear_method(name: str) -> LinearMethod:
     if name not in _METHODS:
-        _import_plugins()
-    if name not in _METHODS:
         raise ValueError(f"unknown weight format {name!r}; known: {', '.join(sorted(_METHODS))} "
                          f"(quantized formats register when kiln.quant is imported)")
     return _METHODS[name]()
 
 
 def available_linear_methods() -> list[str]:
-    _import_plugins()
     return sorted(_METHODS)
-
-
-def _import_plugins() -> None:
-    """The dense CPU formats beside this module (quantized ones come with kiln.quant)."""
-    import kiln.models.layers.cpu_bf16  # noqa: F401
-    import kiln.models.layers.onednn  # noqa: F401
 
 
 def shard_rows(out_shards: Sequence[int], shard: int) -> slice:

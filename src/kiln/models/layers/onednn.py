@@ -5,11 +5,10 @@ on AVX-512 CPUs; oneDNN's prepacked layout feeds the bf16 dot-product instructio
 is as fast or faster at every batch size we measured (docs/decisions/0001). Once packed, the plain
 weight is released (the model is held once, not twice); `dense_weight(layer)` unpacks a copy for
 the few readers that want W itself (speculator heads reading LM head rows, quantization, tests).
+Whether it runs here: kiln.kernels.bf16_mm.onednn_available.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 from torch import nn
@@ -20,23 +19,6 @@ from kiln.models.layers.linear import (
     StackTensors,
     register_linear_method,
 )
-
-log = logging.getLogger(__name__)
-
-
-def onednn_available(dtype: torch.dtype) -> bool:
-    """oneDNN prepacking works for bf16 weights on CPUs with mkldnn support."""
-    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        w = torch.ones(8, 8, dtype=dtype, device="cpu")
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 8, dtype=dtype, device="cpu"), packed, None,
-                                                 "none", [], "")
-        return bool(out[0, 0] == 8)
-    except (RuntimeError, AttributeError) as exc:
-        log.info("oneDNN linear unavailable (%s); using torch's reference matmul", exc)
-        return False
 
 
 @register_linear_method("dense-onednn")

@@ -1,7 +1,7 @@
 """Elementwise model ops: the plain torch reference and the fused C++ kernels beside it.
 
 `TorchOps` is the reference (and what fp32 parity tests run); `KernelOps` calls the fused
-kernels in kiln/runner/cpu_ops (one pass over memory instead of several torch ops each). A
+kernels in kiln/kernels/cpu (one pass over memory instead of several torch ops each). A
 model gets the ops object of its platform's kernel set (`ops_for`) and calls it; nothing else
 changes between the two paths. A GPU kernel set is one more subclass here.
 """
@@ -65,7 +65,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class KernelOps(TorchOps):
-    """Fused C++ kernels (fp32 math, one rounding); requires `kiln.runner.cpu_ops.load()`."""
+    """Fused C++ kernels (fp32 math, one rounding); requires `kiln.kernels.cpu.load()`."""
 
     def rms_norm(self, x, weight, eps):
         return torch.ops.kiln.rms_norm(x, weight, eps)

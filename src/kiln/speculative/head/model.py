@@ -198,10 +198,10 @@ def _linear(weight: torch.Tensor, method_name: str) -> Linear:
 
 
 def int8_gemv_available() -> bool:
-    from kiln.quant.kernels import INT8_GEMV_MAX_TOKENS
-    from kiln.runner import cpu_ops
+    from kiln.kernels import cpu as cpu_kernels
+    from kiln.kernels.quant_mm import INT8_GEMV_MAX_TOKENS
 
-    return INT8_GEMV_MAX_TOKENS > 0 and cpu_ops.load()
+    return INT8_GEMV_MAX_TOKENS > 0 and cpu_kernels.load()
 
 
 # rows up to which a head's int8 copy beats a oneDNN-packed bf16 one: weights from memory
@@ -222,8 +222,8 @@ class SmallBatchInt8(nn.Module):
 
     def __init__(self, dense: Linear, int8: Linear):
         super().__init__()
+        from kiln.kernels.quant_mm import INT8_GEMV_MAX_TOKENS
         from kiln.models.layers.onednn import OneDNNLinearMethod
-        from kiln.quant.kernels import INT8_GEMV_MAX_TOKENS
 
         self.dense, self.int8, self.max_rows = dense, int8, INT8_GEMV_MAX_TOKENS
         if isinstance(dense.method, OneDNNLinearMethod):
@@ -262,7 +262,8 @@ def stack_weights(head: EagleHead) -> list[tuple[float, dict, bool]] | None:
     limit; the dense copy (oneDNN-packed bf16, or plain bf16 through kiln's bf16_gemm up to its
     row limit) serves the rest. None where the layer is not packed in those forms (an fp32
     head, the reference ops)."""
-    from kiln.models.layers.cpu_bf16 import BF16_GEMM_MAX_TOKENS, CpuBf16LinearMethod
+    from kiln.kernels.bf16_mm import BF16_GEMM_MAX_TOKENS
+    from kiln.models.layers.cpu_bf16 import CpuBf16LinearMethod
     from kiln.runner.fused_stack import stack_linear_tensors
 
     layer = head.layer

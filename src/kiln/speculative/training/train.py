@@ -88,7 +88,7 @@ def bf16_autocast(cfg: TrainConfig) -> torch.autocast:
 
 @functools.cache
 def _native_bf16() -> bool:
-    from kiln.models.layers.onednn import onednn_available
+    from kiln.kernels.bf16_mm import onednn_available
 
     return onednn_available(torch.bfloat16)
 

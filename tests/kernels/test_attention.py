@@ -1,63 +1,22 @@
-"""The C++ CPU kernels against their torch reference implementations."""
+"""paged_attention.cpp and prefill_attention.cpp: the cpu attention backend (short queries, draft
+trees, long prefill chunks) against the torch backend and exact fp32 attention; write_kv's
+slots along the way."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kiln.models.layers.ops import KernelOps, TorchOps
-from kiln.runner import cpu_ops
+from kiln.kernels import cpu as cpu_kernels
 from kiln.runner.attention import (
     CpuPagedAttention,
     SeqLayout,
     TorchPagedAttention,
     slot_mapping_for,
 )
+from tests.kernels.common import DTYPES, TOL, close, needs_cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="kiln CPU kernels did not build")
-
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-DTYPES = [torch.float32, torch.bfloat16]
-
-
-def close(a, b, dtype):
-    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_and_fused_residual_add(dtype):
-    ref, ker = TorchOps(), KernelOps()
-    x, res = torch.randn(7, 96, dtype=dtype), torch.randn(7, 96, dtype=dtype)
-    w = torch.randn(96, dtype=dtype)
-    close(ker.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), dtype)
-    out_r, res_r = ref.add_rms_norm(x, res.clone(), w, 1e-6)
-    out_k, res_k = ker.add_rms_norm(x, res.clone(), w, 1e-6)
-    close(out_k, out_r, dtype)
-    close(res_k, res_r, dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul(dtype):
-    x = torch.randn(5, 2 * 48, dtype=dtype)
-    close(KernelOps().silu_mul(x), TorchOps().silu_mul(x), dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_inplace_matches_reference(dtype):
-    from kiln.models.layers.rotary import RotaryEmbedding
-
-    hq, hkv, d, t = 4, 2, 32, 6
-    rot = RotaryEmbedding(d, 64, 10000.0, dtype=dtype)
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=dtype)
-    pos = torch.tensor([0, 5, 9, 17, 33, 63])
-    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    rq, rk = TorchOps().rotary(q.reshape(t, hq, d), k.reshape(t, hkv, d), pos, rot.cos, rot.sin)
-    fused = qkv.clone()
-    rot.apply_inplace(fused, pos, hq, hkv)
-    fq, fk, fv = fused.split([hq * d, hkv * d, hkv * d], dim=-1)
-    close(fq.reshape(t, hq, d), rq, dtype)
-    close(fk.reshape(t, hkv, d), rk, dtype)
-    assert torch.equal(fv, v)
+pytestmark = needs_cpu_kernels
 
 
 def random_batch(dtype, query_lens, context_lens, hq=6, hkv=2, d=64, bs=4):
@@ -107,7 +66,7 @@ def test_cpu_backend_matches_torch_backend(dtype, query_lens, context_lens):
 
 
 needs_bf16_dot = pytest.mark.skipif(
-    not (cpu_ops.load() and torch.ops.kiln.has_bf16_attention()),
+    not (cpu_kernels.load() and torch.ops.kiln.has_bf16_attention()),
     reason="built without AVX512-BF16")
 
 
@@ -277,53 +236,3 @@ def test_trees_longer_than_the_short_kernels_chunks_keep_their_bits(dtype):
     meta = cpu.build_metadata(layout, positions, bs)
     assert meta.short.query_lens.tolist() == [n, 1] and meta.long.query_lens.tolist() == [20]
     assert_both_backends_follow_the_bits(dtype, layout, positions, cache, q, k, v, bs)
-
-
-def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load():
-    """torch's build lock is a plain file; a process killed mid-build leaves it, and torch
-    would wait for it forever. kiln holds an flock around the build and clears it."""
-    import subprocess
-    import sys
-
-    stale = cpu_ops.build_directory() / "lock"
-    stale.touch()
-    done = subprocess.run([sys.executable, "-c", "from kiln.runner import cpu_ops; "
-                           "raise SystemExit(0 if cpu_ops.load() else 1)"], timeout=600)
-    assert done.returncode == 0 and not stale.exists()
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_move_slots_moves_every_caches_rows_as_torch_indexing_does(dtype):
-    """An accepted tree path's KV moved in every layer at once: slots that are both a source
-    and a destination (a swap, a chain) read their rows from before the move."""
-    gen = torch.Generator().manual_seed(0)
-    caches = [torch.randn(40, 3, 8, generator=gen).to(dtype) for _ in range(4)]
-    src, dst = torch.tensor([5, 6, 9, 12, 13]), torch.tensor([6, 5, 12, 13, 30])
-    expected = [c.clone() for c in caches]
-    for c in expected:
-        c[dst] = c[src]
-    torch.ops.kiln.move_slots(caches, src, dst)
-    for got, want in zip(caches, expected, strict=True):
-        assert torch.equal(got, want)
-    with pytest.raises(RuntimeError, match="slot out of range"):
-        torch.ops.kiln.move_slots(caches, torch.tensor([40]), torch.tensor([0]))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_top_logprobs_is_log_softmax_then_topk(dtype):
-    """A speculator's likeliest drafts in one call: the k largest logits per row as
-    log-probabilities over the whole row, best first, mapped through `ids`; among equal
-    logits (common in bf16) the lower index comes first."""
-    gen = torch.Generator().manual_seed(0)
-    logits = (torch.randn(5, 300, generator=gen) * 3).to(dtype)
-    logits[2, 7] = logits[2, 3] = logits[2].max() + 1  # a tie at the top
-    ids = torch.randperm(1000, generator=gen)[:300]
-    values, index = torch.ops.kiln.top_logprobs(logits, 6, ids)
-    logp = logits.float().log_softmax(dim=-1)
-    for r in range(5):
-        order = sorted(range(300), key=lambda i: (-logp[r, i].item(), i))[:6]
-        assert index[r].tolist() == ids[order].tolist()
-        torch.testing.assert_close(values[r], logp[r, order], rtol=0, atol=2e-6)
-    assert index[2, :2].tolist() == [ids[3].item(), ids[7].item()]
-    with pytest.raises(RuntimeError, match="k must be"):
-        torch.ops.kiln.top_logprobs(logits, 301, ids)

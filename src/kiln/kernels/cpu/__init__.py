@@ -1,9 +1,11 @@
-"""kiln's C++ CPU kernels, compiled on first use with torch's extension tooling.
+"""kiln's C++ CPU kernels, one source file per op family, compiled on first use with torch's
+extension tooling.
 
-`load()` builds kernels.cpp (once per machine and version of the source; cached under
-$TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions) and registers the ops as
-`torch.ops.kiln.*`. If the build fails (no compiler, no ninja) it logs one line and returns
-False: callers then use the plain torch reference path, which every kernel is tested against.
+`load()` builds every `*.cpp` here into one library (once per machine and version of the
+sources; cached under $TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions) and
+registers the ops as `torch.ops.kiln.*` (ops.cpp holds the one registration block). If the
+build fails (no compiler, no ninja) it logs one line and returns False: callers then use the
+plain torch reference path, which every kernel is tested against (tests/kernels/).
 """
 
 from __future__ import annotations
@@ -22,22 +24,26 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
-
-SOURCE = Path(__file__).with_name("kernels.cpp").resolve()
+HERE = Path(__file__).parent.resolve()
+SOURCES = sorted(HERE.glob("*.cpp"))
+HEADERS = sorted(HERE.glob("*.h"))
 FLAGS = ["-O3", "-fopenmp", "-march=native", "-ffast-math", "-fno-finite-math-only"]
 
 
 def build_directory() -> Path:
-    """Where the kernels build: one directory per source file, content, flags, Python and
-    torch (two kiln checkouts on one machine, a CI clone beside a work tree, would otherwise
-    rebuild one directory in turn, ninja recording the source's path, and load each other's
-    library)."""
+    """Where the kernels build: one directory per set of sources (paths and contents, headers
+    included), flags, Python and torch (two kiln checkouts on one machine, a CI clone beside a
+    work tree, would otherwise rebuild one directory in turn, ninja recording the sources'
+    paths, and load each other's library)."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    key = "\0".join([str(SOURCE), " ".join(FLAGS), sys.version, torch.__version__])
-    digest = hashlib.sha256(key.encode() + SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256()
+    for part in [" ".join(FLAGS), sys.version, torch.__version__]:
+        digest.update(part.encode() + b"\0")
+    for path in SOURCES + HEADERS:
+        digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    return root / "kiln" / f"kiln_cpu_ops_{digest}"
+    return root / "kiln" / f"kiln_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
 def _build() -> None:
@@ -51,7 +57,7 @@ def _build() -> None:
         # we hold ours, any torch lock file there is stale
         fcntl.flock(held, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
-        load(name=build_dir.name, sources=[str(SOURCE)], extra_cflags=FLAGS,
+        load(name=build_dir.name, sources=[str(s) for s in SOURCES], extra_cflags=FLAGS,
              extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
              is_python_module=False, verbose=False)
 

@@ -1,8 +1,8 @@
-"""Speed paths for quantized matmuls, beside the plain dequantize-then-matmul reference.
+"""Matmuls on quantized weights: torch's int8 and int4 CPU kernels and kiln's int8_gemv, beside
+the plain dequantize-then-matmul reference of kiln.quant.linear.
 
 Each function returns None when its kernel cannot run (old torch, a device or dtype it does not
-take), and the caller falls back to the reference path in kiln.quant.linear. GPU kernels go
-here too, each tested against that reference.
+take), and the caller falls back to that reference path. Tests: tests/kernels/test_quant_mm.py.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from kiln.kernels import cpu
 
 # When torch's int8 weight-only kernel pays off on CPU (measured on 576x1536 and 1536x576,
 # one thread, torch 2.13): with bf16 activations it is 3-10x faster than dequantize + matmul
@@ -28,7 +30,7 @@ def int8_weight_only_mm(x: torch.Tensor, weight: torch.Tensor,
     return torch._weight_int8pack_mm(x.contiguous(), weight, scale.reshape(-1).to(x.dtype))
 
 
-# kiln's own int8 weight-only kernel (`torch.ops.kiln.int8_gemv`, kiln/runner/cpu_ops): each
+# kiln's own int8 weight-only kernel (`torch.ops.kiln.int8_gemv`, kiln/kernels/cpu): each
 # weight row is read once for up to 8 tokens, converted to fp32 and multiplied against x in
 # fp32 (any float dtype), prefetching the next rows. Decode is memory-bound and int8 halves the
 # bytes of bf16, but `_weight_int8pack_mm` streams weights from memory no faster than oneDNN's
@@ -46,15 +48,9 @@ def int8_gemv_mm(x: torch.Tensor, weight: torch.Tensor,
     """x [M, K] float @ (weight int8 [N, K] * scale [N, 1])^T -> [M, N] in x's dtype, with
     kiln's C++ kernel; None for more than INT8_GEMV_MAX_TOKENS tokens, off-CPU tensors or
     where the kiln kernels did not build."""
-    if x.shape[0] > INT8_GEMV_MAX_TOKENS or x.device.type != "cpu" or not _kiln_kernels():
+    if x.shape[0] > INT8_GEMV_MAX_TOKENS or x.device.type != "cpu" or not cpu.load():
         return None
     return torch.ops.kiln.int8_gemv(x, weight, scale)
-
-
-def _kiln_kernels() -> bool:
-    from kiln.runner import cpu_ops
-
-    return cpu_ops.load()
 
 
 def int8_int8_mm(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,281 @@
+// Matmuls for decode-sized token counts: int8 weight-only (per-row scales) and bf16 weights
+// with fp32 arithmetic. Torch reference: dequantize (or widen) then matmul.
+
+#include "ops.h"
+
+namespace kiln {
+
+// -- int8 weight-only matmul for a few tokens --------------------------------------------------
+//
+// y[m, n] = scale[n] * sum_k x[m, k] w[n, k]; x [M, K] float, w int8 [N, K] row-major, scale
+// fp32 [N]; y [M, N] in x's dtype. Weight-only: x stays float (converted to fp32 once per call)
+// and every product is accumulated in fp32. Decode is memory-bound, so the kernel reads each
+// weight row once for up to 8 tokens, R rows at a time (R * M accumulators in registers).
+// Each output is summed by one thread in a fixed order: results do not depend on threads.
+namespace {
+
+constexpr int64_t kInt8TokenTile = 8;
+
+#if defined(__AVX2__)
+// The sum of 8 fp32 lanes (the AVX2 paths of the int8 and bf16 kernels).
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+inline __m512 int8_to_ps(__m128i codes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)); }
+
+// out[r * M + m] = x[m] . w[r] for R consecutive weight rows; K % 16 tail by masked loads.
+template <int M, int R>
+void int8_dot_rows(const float* xf, const int8_t* w, int64_t K, float* out) {
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  auto step = [&](int64_t k, __mmask16 mask) {
+    __m512 xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, xf + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = int8_to_ps(_mm_maskz_loadu_epi8(mask, w + r * K + k));
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
+    }
+  };
+  // The R rows stream from memory side by side, which the hardware prefetcher follows
+  // poorly: fetch the same cache line of the next R rows (the next block) while computing.
+  const __mmask16 all = static_cast<__mmask16>(0xFFFF);
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    for (int r = 0; r < R; ++r)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
+    step(k, all), step(k + 16, all), step(k + 32, all), step(k + 48, all);
+  }
+  for (int r = 0; r < R && k < K; ++r)
+    _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
+  for (; k + 16 <= K; k += 16) step(k, all);
+  if (k < K) step(k, static_cast<__mmask16>((1u << (K - k)) - 1));
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) out[r * M + m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same on AVX2: 8 lanes, R * M + R + 1 of 16 registers; K % 8 tail in scalar.
+template <int M, int R>
+void int8_dot_rows(const float* xf, const int8_t* w, int64_t K, float* out) {
+  __m256 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r)
+      wv[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + r * K + k))));
+    for (int m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_loadu_ps(xf + m * K + k);
+      for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float s = hsum8(acc[r][m]);
+      for (int64_t t = k; t < K; ++t) s += xf[m * K + t] * static_cast<float>(w[r * K + t]);
+      out[r * M + m] = s;
+    }
+}
+#else
+template <int M, int R>
+void int8_dot_rows(const float* xf, const int8_t* w, int64_t K, float* out) {
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += xf[m * K + k] * static_cast<float>(w[r * K + k]);
+      out[r * M + m] = acc;
+    }
+}
+#endif
+
+// y rows [0, M) from xf [M, K]; output rows split across threads in blocks of R.
+template <typename T, int M, int R>
+void int8_mm_tile(const float* xf, const int8_t* w, const float* scale, T* y, int64_t N,
+                  int64_t K) {
+  const int64_t blocks = (N + R - 1) / R;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (R * K));  // >= ~32 KiB each
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    float acc[R * M];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * R, rows = std::min<int64_t>(R, N - n0);
+      if (rows == R) {
+        int8_dot_rows<M, R>(xf, w + n0 * K, K, acc);
+      } else {
+        for (int64_t r = 0; r < rows; ++r) int8_dot_rows<M, 1>(xf, w + (n0 + r) * K, K, acc + r * M);
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int m = 0; m < M; ++m) y[m * N + n0 + r] = static_cast<T>(scale[n0 + r] * acc[r * M + m]);
+    }
+  });
+}
+
+// R per token count keeps R * M + M + 1 vectors within the 32 registers.
+template <typename T>
+void int8_mm_tokens(int64_t M, const float* xf, const int8_t* w, const float* scale, T* y,
+                    int64_t N, int64_t K) {
+  switch (M) {
+    case 1: return int8_mm_tile<T, 1, 8>(xf, w, scale, y, N, K);
+    case 2: return int8_mm_tile<T, 2, 4>(xf, w, scale, y, N, K);
+    case 3: return int8_mm_tile<T, 3, 2>(xf, w, scale, y, N, K);
+    case 4: return int8_mm_tile<T, 4, 2>(xf, w, scale, y, N, K);
+    case 5: return int8_mm_tile<T, 5, 2>(xf, w, scale, y, N, K);
+    case 6: return int8_mm_tile<T, 6, 2>(xf, w, scale, y, N, K);
+    case 7: return int8_mm_tile<T, 7, 2>(xf, w, scale, y, N, K);
+    default: return int8_mm_tile<T, 8, 2>(xf, w, scale, y, N, K);
+  }
+}
+
+}  // namespace
+
+// Any M works (in tiles of 8 tokens, each re-reading the weights); callers use it for M <= 8.
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "int8_gemv: x [M, K] and w [N, K] expected");
+  TORCH_CHECK(w.scalar_type() == at::kChar, "int8_gemv: w must be int8");
+  TORCH_CHECK(scale.numel() == w.size(0), "int8_gemv: one scale per output row expected");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto sc = scale.reshape(-1).to(at::kFloat).contiguous();
+  auto y = at::empty({M, N}, xc.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "int8_gemv", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    std::vector<float> xf(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = f32(xp[i]);
+    for (int64_t m0 = 0; m0 < M; m0 += kInt8TokenTile)
+      int8_mm_tokens<scalar_t>(std::min(kInt8TokenTile, M - m0), xf.data() + m0 * K,
+                               wc.data_ptr<int8_t>(), sc.data_ptr<float>(),
+                               y.data_ptr<scalar_t>() + m0 * N, N, K);
+  });
+  return y;
+}
+
+// -- bf16 weights on CPUs without bf16 arithmetic ---------------------------------------------
+//
+// y[m, n] = sum_k x[m, k] w[n, k]; w bf16 [N, K] row-major, x [M, K] float, y in x's dtype.
+// Where oneDNN cannot prepack bf16 (AVX2 CPUs with no AVX-512 BW or AVX-NE-CONVERT), torch's
+// bf16 matmul runs at ~16 GFLOP/s at every token count, so a 4-token verify step costs four
+// decode steps. Here a bf16 weight widens to fp32 exactly (a 16-bit shift) inside the FMA loop:
+// each weight row is read once for up to 8 tokens, as the int8 kernel does. Every output is the
+// same 8-lane fp32 sum in the same k order for any M, R or thread count, so a token's result
+// does not depend on the batch it runs in.
+namespace {
+
+constexpr int64_t kBf16TokenTile = 8;
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 bf16x8_to_ps(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// out[r * M + m] = x[m] . w[r] for R consecutive weight rows (R * M + R + 1 of 16 registers).
+template <int M, int R>
+void bf16_dot_rows(const float* xf, const at::BFloat16* w, int64_t K, float* out) {
+  __m256 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  auto step = [&](int64_t k) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = bf16x8_to_ps(w + r * K + k);
+    for (int m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_loadu_ps(xf + m * K + k);
+      for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {  // one 64-byte line of each row; fetch the next block's
+    for (int r = 0; r < R; ++r)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
+    step(k), step(k + 8), step(k + 16), step(k + 24);
+  }
+  for (; k + 8 <= K; k += 8) step(k);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float s = hsum8(acc[r][m]);
+      for (int64_t t = k; t < K; ++t) s += xf[m * K + t] * f32(w[r * K + t]);
+      out[r * M + m] = s;
+    }
+}
+constexpr bool kBf16GemmVectorized = true;
+#else
+template <int M, int R>
+void bf16_dot_rows(const float* xf, const at::BFloat16* w, int64_t K, float* out) {
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += xf[m * K + k] * f32(w[r * K + k]);
+      out[r * M + m] = acc;
+    }
+}
+constexpr bool kBf16GemmVectorized = false;
+#endif
+
+template <typename T, int M, int R>
+void bf16_mm_tile(const float* xf, const at::BFloat16* w, T* y, int64_t N, int64_t K) {
+  const int64_t blocks = (N + R - 1) / R;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (R * K * 2));  // ~32 KiB
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    float acc[R * M];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * R, rows = std::min<int64_t>(R, N - n0);
+      if (rows == R) {
+        bf16_dot_rows<M, R>(xf, w + n0 * K, K, acc);
+      } else {
+        for (int64_t r = 0; r < rows; ++r) bf16_dot_rows<M, 1>(xf, w + (n0 + r) * K, K, acc + r * M);
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int m = 0; m < M; ++m) y[m * N + n0 + r] = static_cast<T>(acc[r * M + m]);
+    }
+  });
+}
+
+template <typename T>
+void bf16_mm_tokens(int64_t M, const float* xf, const at::BFloat16* w, T* y, int64_t N,
+                    int64_t K) {
+  switch (M) {
+    case 1: return bf16_mm_tile<T, 1, 6>(xf, w, y, N, K);
+    case 2: return bf16_mm_tile<T, 2, 4>(xf, w, y, N, K);
+    case 3: return bf16_mm_tile<T, 3, 3>(xf, w, y, N, K);
+    case 4: return bf16_mm_tile<T, 4, 2>(xf, w, y, N, K);
+    case 5: return bf16_mm_tile<T, 5, 2>(xf, w, y, N, K);
+    case 6: return bf16_mm_tile<T, 6, 2>(xf, w, y, N, K);
+    case 7: return bf16_mm_tile<T, 7, 1>(xf, w, y, N, K);
+    default: return bf16_mm_tile<T, 8, 1>(xf, w, y, N, K);
+  }
+}
+
+}  // namespace
+
+// Any M works (tiles of 8 tokens, each re-reading the weights); callers use it for few tokens.
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "bf16_gemm: x [M, K] and w [N, K] expected");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "bf16_gemm: w must be bfloat16");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto y = at::empty({M, N}, xc.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "bf16_gemm", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    std::vector<float> xf(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = f32(xp[i]);
+    for (int64_t m0 = 0; m0 < M; m0 += kBf16TokenTile)
+      bf16_mm_tokens<scalar_t>(std::min(kBf16TokenTile, M - m0), xf.data() + m0 * K,
+                               wc.data_ptr<at::BFloat16>(), y.data_ptr<scalar_t>() + m0 * N,
+                               N, K);
+  });
+  return y;
+}
+
+bool bf16_gemm_vectorized() { return kBf16GemmVectorized; }
+
+}  // namespace kiln

@@ -1,0 +1,51 @@
+// Paged KV cache writes: a step's keys and values into their slots, and slot-to-slot moves
+// (an accepted draft path's KV). Torch reference: kiln/runner/attention.py, model_runner.py.
+
+#include "ops.h"
+
+namespace kiln {
+
+// k_cache[slot[t]] = k[t]; v_cache[slot[t]] = v[t]. k, v: [T, Hkv, D] (row-strided views ok).
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+              at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  const int64_t tokens = k.size(0), width = k.size(1) * k.size(2);
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2), "k heads must be packed");
+  TORCH_CHECK(v.stride(2) == 1 && v.stride(1) == v.size(2), "v heads must be packed");
+  auto slots = slot_mapping.contiguous().to(at::kLong);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::copy_n(kp + t * k.stride(0), width, kc + sl[t] * width);
+      std::copy_n(vp + t * v.stride(0), width, vc + sl[t] * width);
+    }
+  });
+}
+
+// caches[i][dst[j]] = caches[i][src[j]] for every cache (any shape [slots, ...], contiguous)
+// and slot pair, the source rows gathered before any is written: an accepted tree path's KV
+// moved to its positions in every layer in one call (from Python, two index ops per layer).
+void move_slots(at::TensorList caches, const at::Tensor& src,
+                const at::Tensor& dst) {
+  TORCH_CHECK(src.numel() == dst.numel(), "move_slots: src and dst must pair up");
+  auto s = src.contiguous().to(at::kLong), d = dst.contiguous().to(at::kLong);
+  const int64_t n = s.numel(), *sp = s.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>();
+  std::vector<char> rows;
+  for (const auto& cache : caches) {
+    TORCH_CHECK(cache.is_contiguous() && cache.dim() >= 1, "move_slots: contiguous caches");
+    const int64_t slots = cache.size(0), row = cache.numel() / std::max<int64_t>(slots, 1) *
+                                                   cache.element_size();
+    for (int64_t j = 0; j < n; ++j)
+      TORCH_CHECK(0 <= sp[j] && sp[j] < slots && 0 <= dp[j] && dp[j] < slots,
+                  "move_slots: slot out of range");
+    char* base = static_cast<char*>(cache.data_ptr());
+    rows.resize(n * row);
+    for (int64_t j = 0; j < n; ++j) std::memcpy(rows.data() + j * row, base + sp[j] * row, row);
+    for (int64_t j = 0; j < n; ++j) std::memcpy(base + dp[j] * row, rows.data() + j * row, row);
+  }
+}
+
+}  // namespace kiln

@@ -1,0 +1,70 @@
+// The ops kiln registers as torch.ops.kiln.* (ops.cpp), one declaration each, grouped by the
+// file that defines them; the fused stack (stack.cpp) calls the others directly.
+#pragma once
+
+#include "common.h"
+
+#include <optional>
+
+namespace kiln {
+
+// norm_rotary.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps);
+at::Tensor silu_mul(const at::Tensor& x);
+void rotary_inplace(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                    const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
+                    int64_t head_dim);
+
+// kv_cache.cpp
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+              at::Tensor& v_cache, const at::Tensor& slot_mapping);
+void move_slots(at::TensorList caches, const at::Tensor& src, const at::Tensor& dst);
+
+// sampling.cpp
+std::tuple<at::Tensor, at::Tensor> top_logprobs(const at::Tensor& logits, int64_t k,
+                                                const at::Tensor& ids);
+
+// paged_attention.cpp
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_table,
+                     const at::Tensor& query_start, const at::Tensor& query_lens,
+                     const at::Tensor& context_lens, int64_t block_size, double scale,
+                     const std::optional<at::Tensor>& tree_mask);
+
+// prefill_attention.cpp
+bool has_bf16_attention();
+void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& block_table,
+                       const at::Tensor& query_start, const at::Tensor& query_lens,
+                       const at::Tensor& context_lens, int64_t block_size, double scale);
+
+// gemm.cpp
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w);
+bool bf16_gemm_vectorized();
+
+// stack.cpp
+at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
+                       at::TensorList input_norm, at::TensorList qkv_proj,
+                       at::TensorList o_proj, at::TensorList post_norm,
+                       at::TensorList gate_up_proj, at::TensorList down_proj,
+                       at::TensorList qkv_scale, at::TensorList o_scale,
+                       at::TensorList gate_up_scale, at::TensorList down_scale,
+                       const at::Tensor& final_norm, const at::Tensor& cos32,
+                       const at::Tensor& sin32, at::TensorList k_caches,
+                       at::TensorList v_caches, const at::Tensor& slot_mapping,
+                       const std::optional<at::Tensor>& short_table,
+                       const std::optional<at::Tensor>& short_start,
+                       const std::optional<at::Tensor>& short_lens,
+                       const std::optional<at::Tensor>& short_context,
+                       const std::optional<at::Tensor>& short_tree,
+                       const std::optional<at::Tensor>& long_table,
+                       const std::optional<at::Tensor>& long_start,
+                       const std::optional<at::Tensor>& long_lens,
+                       const std::optional<at::Tensor>& long_context, int64_t block_size,
+                       double scale, double eps, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, bool plain_bf16);
+
+}  // namespace kiln

@@ -1,0 +1,95 @@
+// The whole decoder stack of a Llama-family model in one call.
+//
+// The same ops, in the same order and with the same roundings, as LlamaDecoderLayer.forward on
+// kiln's fast path (fused norms, oneDNN-prepacked bf16 linears, in-place rotary, the cpu
+// attention backend), for every layer, without returning to Python in between: at batch 1 the
+// ~20 Python-level calls per layer cost more than the layer's norms, rotary and attention
+// together. Linears are oneDNN bf16, or kiln's int8 GEMV or bf16_gemm (both on decode-sized
+// steps). Used only where the model has no hooks, biases or q/k norms (LlamaForCausalLM
+// decides); its result is bit-identical to the per-layer path, which the tests check.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include "ops.h"
+
+namespace kiln {
+
+namespace {
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
+  static auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                        c10::string_view, c10::List<std::optional<at::Scalar>>,
+                        std::optional<c10::string_view>)>();
+  return op.call(x, packed, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), "");
+}
+
+// Layer l of one projection: int8 weights with per-row scales through int8_gemv where the
+// layer has a scale, else bf16 weights: plain ones through bf16_gemm (fp32 arithmetic, CPUs
+// without bf16 instructions) where plain_bf16, oneDNN-prepacked ones otherwise.
+at::Tensor stack_linear(const at::Tensor& x, at::TensorList weights, at::TensorList scales,
+                        int64_t l, bool plain_bf16) {
+  if (!scales.empty() && scales[l].numel() > 0) return int8_gemv(x, weights[l], scales[l]);
+  if (plain_bf16) return bf16_gemm(x, weights[l]);
+  return onednn_linear(x, weights[l]);
+}
+
+}  // namespace
+
+at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
+                       at::TensorList input_norm, at::TensorList qkv_proj,
+                       at::TensorList o_proj, at::TensorList post_norm,
+                       at::TensorList gate_up_proj, at::TensorList down_proj,
+                       at::TensorList qkv_scale, at::TensorList o_scale,
+                       at::TensorList gate_up_scale, at::TensorList down_scale,
+                       const at::Tensor& final_norm, const at::Tensor& cos32,
+                       const at::Tensor& sin32, at::TensorList k_caches,
+                       at::TensorList v_caches, const at::Tensor& slot_mapping,
+                       const std::optional<at::Tensor>& short_table,
+                       const std::optional<at::Tensor>& short_start,
+                       const std::optional<at::Tensor>& short_lens,
+                       const std::optional<at::Tensor>& short_context,
+                       const std::optional<at::Tensor>& short_tree,
+                       const std::optional<at::Tensor>& long_table,
+                       const std::optional<at::Tensor>& long_start,
+                       const std::optional<at::Tensor>& long_lens,
+                       const std::optional<at::Tensor>& long_context, int64_t block_size,
+                       double scale, double eps, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, bool plain_bf16) {
+  const int64_t layers = static_cast<int64_t>(qkv_proj.size());
+  const int64_t tokens = x_in.size(0), q_size = num_heads * head_dim;
+  const int64_t kv_size = num_kv_heads * head_dim;
+  at::Tensor x = x_in, residual;
+  for (int64_t l = 0; l < layers; ++l) {
+    at::Tensor h;
+    if (l == 0) {
+      residual = x;
+      h = rms_norm(x, input_norm[l], eps);
+    } else {
+      h = add_rms_norm(x, residual, input_norm[l], eps);
+    }
+    at::Tensor qkv = stack_linear(h, qkv_proj, qkv_scale, l, plain_bf16);
+    rotary_inplace(qkv, positions, cos32, sin32, num_heads, num_kv_heads, head_dim);
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size)
+                             .view({tokens, num_kv_heads, head_dim});
+    at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
+    write_kv(k, v, k_cache, v_cache, slot_mapping);
+    at::Tensor attn = at::empty({tokens, q_size}, qkv.options());
+    if (short_table.has_value())
+      paged_attention(attn, q, k_cache, v_cache, *short_table, *short_start, *short_lens,
+                      *short_context, block_size, scale, short_tree);
+    if (long_table.has_value())
+      prefill_attention(attn, q, k_cache, v_cache, *long_table, *long_start, *long_lens,
+                        *long_context, block_size, scale);
+    h = add_rms_norm(stack_linear(attn, o_proj, o_scale, l, plain_bf16), residual,
+                     post_norm[l], eps);
+    x = stack_linear(silu_mul(stack_linear(h, gate_up_proj, gate_up_scale, l, plain_bf16)),
+                     down_proj, down_scale, l, plain_bf16);
+  }
+  return add_rms_norm(x, residual, final_norm, eps);
+}
+
+}  // namespace kiln
