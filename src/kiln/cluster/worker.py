@@ -278,11 +278,16 @@ def connect(config: WorkerConfig, incarnation: int) -> tuple[zmq.Context, zmq.So
     return ctx, sock
 
 
+def build_engine(config: WorkerConfig) -> EngineCore:
+    """The worker's engine core, emitting the prefix cache's KV events for the gateway."""
+    return EngineCore(config.engine, emit_kv_events=True)
+
+
 def run_worker(config: WorkerConfig, incarnation: int = 0,
                on_start: Callable[[Worker], None] | None = None) -> int:
     """Load the engine, serve until told to stop; the process exit status. `on_start` gets
     the worker before it runs (kiln worker wires SIGTERM to `worker.goodbye` there)."""
-    engine = EngineCore(config.engine, emit_kv_events=True)
+    engine = build_engine(config)
     ctx, sock = connect(config, incarnation)
     worker = Worker(config, engine, sock)
     try:
