@@ -157,7 +157,8 @@ def test_the_kv_feed_asks_for_a_snapshot_on_a_gap_or_a_lag():
 # -- supervision ----------------------------------------------------------------------------
 
 class FakeTransport:
-    """Records what supervision sends; every identity is reachable unless listed."""
+    """An `Outbox` that records what supervision sends; every identity is reachable unless
+    listed."""
 
     def __init__(self, unreachable: tuple[bytes, ...] = ()):
         self.endpoints = Endpoints("ipc:///r", "ipc:///e", "ipc:///r")

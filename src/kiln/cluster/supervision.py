@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
+from typing import Protocol
 
 from kiln.cluster.messages import (
     GatewayMessage,
@@ -33,11 +34,20 @@ from kiln.cluster.messages import (
 from kiln.cluster.migration import Recovery, Tracked, plan_recovery
 from kiln.cluster.placement import Placement, Send
 from kiln.cluster.registry import Registry, WorkerHandle, WorkerSlot
-from kiln.cluster.transport import GatewayTransport, Peer
+from kiln.cluster.transport import Endpoints, Peer
 from kiln.config import ClusterConfig
 from kiln.engine.limits import EngineLimits
 
 log = logging.getLogger("kiln.cluster")
+
+
+class Outbox(Protocol):
+    """What supervision needs of the transport (GatewayTransport; a fake in tests)."""
+
+    endpoints: Endpoints
+
+    def send(self, identity: bytes, message: GatewayMessage) -> bool:
+        """Queue without blocking; False when no such peer is connected."""
 
 
 class Supervisor:
@@ -51,7 +61,7 @@ class Supervisor:
     transport's read task or the client, on the same event loop; nothing is thread-safe.
     """
 
-    def __init__(self, registry: Registry, transport: GatewayTransport, placement: Placement,
+    def __init__(self, registry: Registry, transport: Outbox, placement: Placement,
                  cluster: ClusterConfig, *, restart: bool, tick_s: float = 0.1):
         self.registry, self.transport, self.placement = registry, transport, placement
         self.cluster, self.restart, self.tick_s = cluster, restart, tick_s
