@@ -1,7 +1,7 @@
 """The gateway's handle on its engine workers: submit, stream outputs, abort, health.
 
-`EngineClient` is the whole interface the HTTP layer uses; `ClusterClient` (gateway.py)
-implements it over one or many workers, spawned or joined over the network.
+`EngineClient` is the whole interface the HTTP layer uses; `ClusterClient`
+(cluster_client.py) implements it over one or many workers, spawned or joined over the network.
 
 Lifecycle: `start()` binds the sockets and spawns the workers; the client is `ready` while at
 least one worker is registered and reporting. `submit()` returns an `OutputStream` per group

@@ -6,8 +6,9 @@ import os
 from dataclasses import replace
 from functools import partial
 
-from kiln.cluster.cluster_client import ClusterClient, Endpoints
+from kiln.cluster.cluster_client import ClusterClient
 from kiln.cluster.registry import WorkerSlot
+from kiln.cluster.transport import Endpoints
 from kiln.cluster.worker import TOKEN_ENV, spawn_worker
 from kiln.config import ClusterConfig, ServeConfig, WorkerConfig
 

@@ -1,5 +1,6 @@
 """What the gateway remembers about each engine request it routed, and what happens to it
-when its worker is lost. Pure state and decisions; gateway.py does the sending.
+when its worker is lost. Pure state and decisions; placement.py routes the legs and
+supervision.py applies the recovery.
 
 A request's life is a sequence of legs, one worker each:
 

@@ -9,8 +9,8 @@ Two kinds of worker, one table of registered (ready) workers:
   joined   `kiln worker --gateway tcp://...` on any machine: registered by its WorkerReady,
            removed after silence, WorkerFailed or Goodbye. Nothing to restart from here.
 
-Pure bookkeeping plus process handles; the client (gateway.py) does the socket I/O and decides
-what happens to the requests of a removed worker.
+Pure bookkeeping plus process handles; supervision.py does the socket I/O, kills and restarts
+processes, and decides what happens to the requests of a removed worker.
 """
 
 from __future__ import annotations
@@ -48,6 +48,15 @@ class WorkerSlot:
         self.proc = self.launch(self.incarnation)
         self.started_at, self.restart_at = time.monotonic(), None
 
+    def lost(self, restart: bool, now: float) -> None:
+        """Its process is gone (killed): restart after the backoff (0.5 s doubling to 30 s),
+        or give up for good when `restart` is False."""
+        if not restart:
+            self.dead = True
+            return
+        self.restart_at = now + self.backoff_s
+        self.backoff_s = min(self.backoff_s * 2, 30.0)
+
 
 @dataclass
 class WorkerHandle:
@@ -77,10 +86,14 @@ class WorkerHandle:
 
 
 class Registry:
+    """Spawned slots by id, registered workers by id, and the first worker ever admitted
+    (whose model and KV geometry every later one must share)."""
+
     def __init__(self, slots: list[WorkerSlot], heartbeat_timeout_s: float,
                  start_timeout_s: float, token: str = ""):
         self.slots = {s.worker_id: s for s in slots}
         self.workers: dict[str, WorkerHandle] = {}
+        self.first: WorkerReady | None = None
         self.heartbeat_timeout_s, self.start_timeout_s = heartbeat_timeout_s, start_timeout_s
         self.token = token
 
@@ -89,9 +102,9 @@ class Registry:
         handle = self.workers.get(worker_id)
         return handle is not None and handle.info.incarnation == incarnation
 
-    def admit(self, info: WorkerReady, first: WorkerReady | None) -> str | None:
-        """Why `info` may not register (None: it may). `first` = a worker already admitted,
-        whose model and KV geometry everyone must share."""
+    def admit(self, info: WorkerReady) -> str | None:
+        """Why `info` may not register (None: it may)."""
+        first = self.first
         if self.token and not hmac.compare_digest(info.token.encode(), self.token.encode()):
             return "wrong or missing cluster token"
         slot = self.slots.get(info.worker_id)
@@ -108,6 +121,7 @@ class Registry:
         slot = self.slots.get(info.worker_id)
         handle = WorkerHandle(info, time.monotonic(), slot=slot)
         self.workers[info.worker_id] = handle
+        self.first = self.first or info
         if slot is not None:
             slot.backoff_s, slot.ever_ready = 0.5, True
         return handle
