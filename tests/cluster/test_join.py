@@ -32,7 +32,7 @@ def gateway(llama_path, tmp_path_factory):
                            "m", "--workers", "0", "--cluster-address", address, wait=False)
     finally:
         del os.environ["KILN_CLUSTER_TOKEN"]
-    srv.wait_health(503, timeout=30)  # up, but nobody to serve yet
+    srv.wait_health(503)  # up, but nobody to serve yet
     yield srv, address
     srv.stop()
 
