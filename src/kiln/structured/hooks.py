@@ -30,6 +30,7 @@ from kiln.structured.json_limits import JsonShape, limits_for_schema
 from kiln.structured.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
+LOOPS_BEFORE_CLOSING = 4  # masked loops in a JSON request before a looping string must close
 
 
 @dataclass(frozen=True)
@@ -149,9 +150,14 @@ class StructuredHooks:
         if guard.json is not None:
             breach = guard.json.fork().feed(self._vocab.text(token))
             if breach is not None:
-                ban = [token] + self._vocab.starting_with(breach[0].banned_starts(breach[1]))
+                starts = breach[0].banned_starts(breach[1])
+                ban = [token] + (self._vocab.starting_with(starts) if starts else
+                                 self._vocab.not_closing_string())
         if ban is None and self._trips(request, token):
             ban = [token]
+            if guard.json is not None and guard.json.in_string and \
+                    guard.interventions >= LOOPS_BEFORE_CLOSING:
+                ban += self._vocab.not_closing_string()  # a string that keeps looping ends
         if ban is None or not guard.take_intervention():
             return None
         self.num_interventions += 1

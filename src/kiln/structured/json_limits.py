@@ -13,7 +13,8 @@ Bounds (`JsonLimits`, docs/structured.md):
   number digits     at most 16 significant digits (float64 carries no more), at most 16 zeros
                     before the first significant one, at most 3 exponent digits. A schema whose
                     `minimum`/`maximum`/... need more digits raises the significant bound to fit.
-  string runs       at most 32 of one character in a row, at most 32 digits in a row.
+  string runs       at most 32 of one character in a row, at most 32 digits in a row; a
+                    string that fills its bound a third time must close (only `"` left).
   repeated elements the same array element written identically `element_copies` times in a
                     row (3: strings, objects, arrays; 8: numbers, true/false/null, since rows
                     of zeros are common) ends the array: no further `,` in it.
@@ -37,14 +38,16 @@ class Breach(Enum):
     EXPONENT_DIGITS = "exponent_digits"
     STRING_RUN = "string_run"
     STRING_DIGITS = "string_digits"
+    STRING_END = "string_end"  # a run past its bound again after two capped runs: close it
     REPEATED_ELEMENT = "repeated_element"
 
     def banned_starts(self, char: str) -> str:
         """The first characters of the tokens banned with the breaking one: those that
-        would break the bound the same way (`char`: the character that broke it)."""
+        would break the bound the same way (`char`: the character that broke it); "" for
+        STRING_END, which bans every token but those that close the string."""
         return {Breach.NUMBER_DIGITS: "0123456789.", Breach.EXPONENT_DIGITS: "0123456789",
                 Breach.STRING_RUN: char, Breach.STRING_DIGITS: "0123456789",
-                Breach.REPEATED_ELEMENT: ","}[self]
+                Breach.STRING_END: "", Breach.REPEATED_ELEMENT: ","}[self]
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class JsonShape:
     run_char: str = ""
     run: int = 0
     digits: int = 0  # digits in a row inside the current string
+    capped: int = 0  # runs in the current string that reached their bound
     number: _Number | None = None
 
     def fork(self) -> JsonShape:
@@ -109,7 +113,7 @@ class JsonShape:
             self.number = None
         if ch == '"':
             self._value_starts()
-            self.in_string, self.run, self.digits = True, 0, 0
+            self.in_string, self.run, self.digits, self.capped = True, 0, 0, 0
         elif ch in NUMBER_START:
             self._value_starts()
             self.number = _Number()
@@ -139,10 +143,12 @@ class JsonShape:
         self.run = self.run + 1 if ch == self.run_char else 1
         self.run_char = ch
         self.digits = self.digits + 1 if ch.isdigit() else 0
-        if self.run > self.limits.string_run:
-            return Breach.STRING_RUN
-        if self.digits > self.limits.string_digits:
-            return Breach.STRING_DIGITS
+        lim = self.limits
+        self.capped += self.run == lim.string_run or self.digits == lim.string_digits
+        if self.run > lim.string_run or self.digits > lim.string_digits:
+            if self.capped > 2:  # the third capped run: the string goes nowhere, end it
+                return Breach.STRING_END
+            return Breach.STRING_RUN if self.run > lim.string_run else Breach.STRING_DIGITS
         return None
 
     def _number_char(self, ch: str) -> Breach | None:

@@ -36,6 +36,7 @@ class Vocabulary:
         self.filler = bytes(is_filler(t) for t in self.texts)  # filler[id] is 1 or 0
         self._info = None
         self._starting: dict[str, list[int]] = {}
+        self._open: list[int] | None = None
         self.utf8 = None  # kiln.structured.utf8.Utf8Table, with the TokenizerInfo
         self._lock = threading.Lock()
 
@@ -59,6 +60,12 @@ class Vocabulary:
             ids = [i for i, t in enumerate(self.texts) if t.lstrip()[:1] in chars and t.strip()]
             self._starting[chars] = ids
         return ids
+
+    def not_closing_string(self) -> list[int]:
+        """Ids of the tokens that do not begin with `"` (cached)."""
+        if self._open is None:
+            self._open = [i for i, t in enumerate(self.texts) if not t.startswith('"')]
+        return self._open
 
     def tokenizer_info(self):
         """xgrammar's TokenizerInfo for this vocabulary, and the UTF-8 table from its token
