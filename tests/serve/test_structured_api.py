@@ -118,20 +118,25 @@ def looping_server(tmp_path_factory):
     srv.stop()
 
 
-def test_a_loop_ends_with_finish_reason_repetition(looping_server):
+def test_a_loop_ends_with_stop_reason_repetition(looping_server):
+    """Over HTTP finish_reason keeps to OpenAI's values: a guard stop is "stop", with
+    stop_reason "repetition" (vLLM's field); the metrics keep kiln's own reason."""
     client = looping_server.openai()
     before = looping_server.metrics()
     out = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=50,
                                          temperature=0)
-    assert out.choices[0].finish_reason == "repetition"
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_extra["stop_reason"] == "repetition"
     assert out.usage.completion_tokens == 4
     chunks = list(client.completions.create(model=MODEL, prompt="Once", max_tokens=50,
                                             temperature=0, stream=True))
-    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == [
-        "repetition"]
+    assert [(c.choices[0].finish_reason, c.choices[0].model_extra["stop_reason"])
+            for c in chunks if c.choices[0].finish_reason] == [("stop", "repetition")]
     retry = client.completions.create(model=MODEL, prompt="Once", max_tokens=50,
                                       temperature=0, extra_body={"repetition_guard": "retry"})
-    assert retry.choices[0].finish_reason == "repetition" and retry.usage.completion_tokens == 8
+    assert retry.choices[0].finish_reason == "stop" and retry.usage.completion_tokens == 8
+    assert retry.choices[0].model_extra["stop_reason"] == "repetition"
+    assert retry.usage.model_extra["guard_redraws"] == 1
     off = client.completions.create(model=MODEL, prompt="Once", max_tokens=20, temperature=0,
                                     extra_body={"repetition_guard": {"mode": "off"}})
     assert off.choices[0].finish_reason == "length"
