@@ -16,7 +16,6 @@ import enum
 import json
 import time
 from collections import Counter
-from typing import Optional
 
 from pydantic import BaseModel, ValidationError, create_model
 
@@ -50,7 +49,7 @@ def make_pairs(n: int) -> list[tuple[type[BaseModel], str]]:
     variants = [
         {"name": (str, ...), "year": (int, ...), "score": (float, ...), "rating": (Rating, ...)},
         {"title": (str, ...), "items": (list[Part], ...), "total": (float, ...),
-         "note": (Optional[str], None)},
+         "note": (str | None, None)},
         {"name": (str, ...), "place": (Place, ...), "tags": (list[str], ...),
          "count": (int, ...), "description": (str, ...)},
     ]
