@@ -75,3 +75,15 @@ def test_strict_function_tools_parse(client):
     call = choice.message.tool_calls[0]
     assert call.function.name == "GetWeather"
     assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output(server, method):
+    """LangChain's `with_structured_output` (an optional test dependency: langchain-openai)."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{server.base_url}/v1",
+                                      api_key="unused", temperature=0, max_tokens=400,
+                                      max_retries=0)
+    schema = City if method == "json_schema" else GetWeather
+    structured = llm.with_structured_output(schema, method=method, strict=True)
+    assert isinstance(structured.invoke("Describe it as JSON."), schema)
