@@ -61,6 +61,9 @@ def make_pairs(n: int) -> list[tuple[type[BaseModel], str]]:
     return pairs
 
 
+SHOW_FAILURES = False
+
+
 def validates(model: type[BaseModel], text: str) -> bool:
     try:
         model.model_validate_json(text)
@@ -80,7 +83,11 @@ def run(llm, pairs, temperature: float, seed: int | None, max_tokens: int) -> di
     outs = llm.chat(convs, params, use_tqdm=False)
     seconds = time.perf_counter() - started
     results = [o.outputs[0] for o in outs]
-    ok = sum(validates(m, r.text) for (m, _), r in zip(pairs, results, strict=True))
+    good = [validates(m, r.text) for (m, _), r in zip(pairs, results, strict=True)]
+    ok = sum(good)
+    for (m, _), r, g in zip(pairs, results, good, strict=True):
+        if not g and SHOW_FAILURES:
+            print(f"FAILED {m.__name__} {r.finish_reason}: {r.text[:400]!r}", flush=True)
     return {"temperature": temperature, "seed": seed, "valid": ok, "total": len(pairs),
             "finish_reasons": dict(Counter(r.finish_reason for r in results)),
             "tokens_per_response": sum(len(r.token_ids) for r in results) / len(results),
@@ -92,12 +99,17 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=56)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--greedy-only", action="store_true", help="temperature 0 only")
+    ap.add_argument("--show-failures", action="store_true", help="print what did not validate")
     args = ap.parse_args()
+    global SHOW_FAILURES
+    SHOW_FAILURES = args.show_failures
     from kiln import LLM
     llm = LLM()
     pairs = make_pairs(args.pairs)
     rows = [run(llm, pairs, 0.0, None, args.max_tokens)]
-    rows += [run(llm, pairs, 0.7, seed, args.max_tokens) for seed in (1, 2, 3)]
+    if not args.greedy_only:
+        rows += [run(llm, pairs, 0.7, seed, args.max_tokens) for seed in (1, 2, 3)]
     for r in rows:
         print(json.dumps(r), flush=True)
     if args.json:

@@ -15,20 +15,29 @@ Bounds (`JsonLimits`, docs/structured.md):
                     `minimum`/`maximum`/... need more digits raises the significant bound to fit.
   string runs       at most 32 of one character in a row, at most 32 digits in a row; a
                     string that fills its bound a third time must close (only `"` left).
+  string loops      a string that ends in 4 copies of one chunk of 2..64 characters
+                    (`-Ki-Ki-Ki-Ki`, `-10-2018-10-2018...`) must close.
   repeated elements the same array element written identically `element_copies` times in a
                     row (3: strings, objects, arrays; 8: numbers, true/false/null, since rows
-                    of zeros are common) ends the array: no further `,` in it.
+                    of zeros are common), two alternating elements 3 times each, or 6
+                    objects with a string member that differ only in their numbers (a model
+                    counting `{"name":"Laptop","quantity":1}`, `..."quantity":2}` up), ends the
+                    array: no further `,` in it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
 NUMBER_START = "-0123456789"
 NUMBER_CHARS = "0123456789.eE+-"
+HISTORY = 8  # complete elements remembered per array (>= every *_copies, 2 x element_copies)
+_NUMBER = re.compile(r'-?\d+(\.\d+)?([eE][+-]?\d+)?')
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
 class Breach(Enum):
@@ -39,15 +48,17 @@ class Breach(Enum):
     STRING_RUN = "string_run"
     STRING_DIGITS = "string_digits"
     STRING_END = "string_end"  # a run past its bound again after two capped runs: close it
+    STRING_LOOP = "string_loop"  # a string ends in 4 copies of one chunk: close it
     REPEATED_ELEMENT = "repeated_element"
 
     def banned_starts(self, char: str) -> str:
         """The first characters of the tokens banned with the breaking one: those that
         would break the bound the same way (`char`: the character that broke it); "" for
-        STRING_END, which bans every token but those that close the string."""
+        STRING_END and STRING_LOOP, which ban every token but those that close the string."""
         return {Breach.NUMBER_DIGITS: "0123456789.", Breach.EXPONENT_DIGITS: "0123456789",
                 Breach.STRING_RUN: char, Breach.STRING_DIGITS: "0123456789",
-                Breach.STRING_END: "", Breach.REPEATED_ELEMENT: ","}[self]
+                Breach.STRING_END: "", Breach.STRING_LOOP: "",
+                Breach.REPEATED_ELEMENT: ","}[self]
 
 
 @dataclass(frozen=True)
@@ -57,15 +68,17 @@ class JsonLimits:
     exponent_digits: int = 3
     string_run: int = 32
     string_digits: int = 32
+    string_loop_copies: int = 4  # a chunk of 2..64 characters this many times ends a string
+    string_loop_chunk: int = 64
     element_copies: int = 3
     scalar_copies: int = 8
+    similar_copies: int = 6  # objects equal but for their numbers (counting items up)
 
 
 @dataclass
 class _Array:
     start: int | None = None  # offset in the text where the current element began
-    last: str | None = None  # the previous complete element's text
-    copies: int = 0  # how many times in a row `last` was written
+    recent: list[str] = field(default_factory=list)  # the last complete elements' texts
 
 
 @dataclass
@@ -85,11 +98,13 @@ class JsonShape:
     run_char: str = ""
     run: int = 0
     digits: int = 0  # digits in a row inside the current string
+    string_start: int = 0  # offset of the current string's first character
     capped: int = 0  # runs in the current string that reached their bound
     number: _Number | None = None
 
     def fork(self) -> JsonShape:
-        return replace(self, arrays=[replace(a) if a else None for a in self.arrays],
+        return replace(self, arrays=[replace(a, recent=list(a.recent)) if a else None
+                                     for a in self.arrays],
                        number=replace(self.number) if self.number else None)
 
     def feed(self, piece: str) -> tuple[Breach, str] | None:
@@ -100,7 +115,21 @@ class JsonShape:
             self.text += ch
             if breach is not None:
                 return breach, ch
+        if self.in_string and self._string_loops():
+            return Breach.STRING_LOOP, piece[-1:]
         return None
+
+    def _string_loops(self) -> bool:
+        """Whether the current string ends in `string_loop_copies` copies of one chunk of 2..64
+        characters (checked once per token: a few slice comparisons)."""
+        lim = self.limits
+        body = self.text[self.string_start:]
+        copies = lim.string_loop_copies
+        for size in range(2, min(lim.string_loop_chunk, len(body) // copies) + 1):
+            tail = body[-size * copies:]
+            if tail == tail[:size] * copies and len(set(tail)) > 1:
+                return True
+        return False
 
     # -- one character ------------------------------------------------------------------------
 
@@ -114,6 +143,7 @@ class JsonShape:
         if ch == '"':
             self._value_starts()
             self.in_string, self.run, self.digits, self.capped = True, 0, 0, 0
+            self.string_start = len(self.text) + 1
         elif ch in NUMBER_START:
             self._value_starts()
             self.number = _Number()
@@ -187,16 +217,32 @@ class JsonShape:
         if top is None:
             return None
         self._complete(top)
-        copies = self.limits.element_copies if top.last and top.last[0] in '"[{' else \
-            self.limits.scalar_copies
-        return Breach.REPEATED_ELEMENT if top.copies >= copies else None
+        return Breach.REPEATED_ELEMENT if self._elements_loop(top.recent) else None
+
+    def _elements_loop(self, recent: list[str]) -> bool:
+        """The last elements are one element `element_copies` times (scalars:
+        `scalar_copies`), or two alternating elements `element_copies` times each."""
+        lim = self.limits
+        if not recent:
+            return False
+        composite = recent[-1][:1] in '"[{'
+        same = lim.element_copies if composite else lim.scalar_copies
+        if len(recent) >= same and len(set(recent[-same:])) == 1:
+            return True
+        if not composite:
+            return False
+        pair = recent[-2 * lim.element_copies:]
+        if len(pair) == 2 * lim.element_copies and pair == pair[:2] * lim.element_copies:
+            return True
+        similar = recent[-lim.similar_copies:]
+        return len(similar) == lim.similar_copies and recent[-1][:1] == "{" and \
+            len({_numbers_blanked(e) for e in similar}) == 1 and '":"' in _squeeze(recent[-1])
 
     def _complete(self, array: _Array) -> None:
         if array.start is None:
             return
-        element = self.text[array.start:].strip()
-        array.copies = array.copies + 1 if element == array.last else 1
-        array.last, array.start = element, None
+        array.recent = (array.recent + [self.text[array.start:].strip()])[-HISTORY:]
+        array.start = None
 
 
 def limits_for_schema(schema_text: str | None) -> JsonLimits:
@@ -235,3 +281,16 @@ def _digits(value: int | float) -> int:
     if not math.isfinite(value) or value == 0:
         return 0
     return max(0, math.floor(math.log10(abs(value)))) + 2
+
+
+def _numbers_blanked(element: str) -> str:
+    """The element with every JSON number outside its strings written as `#`."""
+    parts, at = [], 0
+    for m in _STRING.finditer(element):
+        parts.append(_NUMBER.sub("#", element[at:m.start()]) + m.group())
+        at = m.end()
+    return "".join(parts) + _NUMBER.sub("#", element[at:])
+
+
+def _squeeze(element: str) -> str:
+    return re.sub(r'"\s*:\s*"', '":"', element)
