@@ -7,6 +7,8 @@ its schema as `structured_outputs` (offline `LLM`, the default model) at tempera
 response.
 
     python benchmarks/structured_parse.py [--pairs 56] [--max-tokens 256] [--json out.json]
+    VLLM_CPU_KVCACHE_SPACE=1 /path/to/vllm-venv/bin/python benchmarks/structured_parse.py \
+        --engine vllm --model ~/.cache/kiln/models/SmolLM2-135M-Instruct  # the same pairs
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def make_pairs(n: int) -> list[tuple[type[BaseModel], str]]:
 
 
 SHOW_FAILURES = False
+ENGINE = "kiln"
 
 
 def validates(model: type[BaseModel], text: str) -> bool:
@@ -73,8 +76,12 @@ def validates(model: type[BaseModel], text: str) -> bool:
 
 
 def run(llm, pairs, temperature: float, seed: int | None, max_tokens: int) -> dict:
-    from kiln import SamplingParams
-    from kiln.sampling_params import StructuredOutputsParams
+    if ENGINE == "vllm":
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+    else:
+        from kiln import SamplingParams
+        from kiln.sampling_params import StructuredOutputsParams
     params = [SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
                              structured_outputs=StructuredOutputsParams(
                                  json=m.model_json_schema())) for m, _ in pairs]
@@ -99,13 +106,21 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=56)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--engine", choices=["kiln", "vllm"], default="kiln",
+                    help="vllm: vLLM's offline LLM (run with vLLM's venv, PYTHONPATH=src)")
+    ap.add_argument("--model", help="checkpoint directory (kiln: its default model; vllm: "
+                    "give the default model's directory, ~/.cache/kiln/models/...)")
     ap.add_argument("--greedy-only", action="store_true", help="temperature 0 only")
     ap.add_argument("--show-failures", action="store_true", help="print what did not validate")
     args = ap.parse_args()
-    global SHOW_FAILURES
-    SHOW_FAILURES = args.show_failures
-    from kiln import LLM
-    llm = LLM()
+    global SHOW_FAILURES, ENGINE
+    SHOW_FAILURES, ENGINE = args.show_failures, args.engine
+    if ENGINE == "vllm":  # the same default model's directory, vLLM's defaults otherwise
+        from vllm import LLM as VLLM
+        llm = VLLM(args.model, dtype="bfloat16", max_model_len=2048, seed=0)
+    else:
+        from kiln import LLM
+        llm = LLM(args.model)
     pairs = make_pairs(args.pairs)
     rows = [run(llm, pairs, 0.0, None, args.max_tokens)]
     if not args.greedy_only:
