@@ -146,3 +146,23 @@ def test_a_loop_ends_with_stop_reason_repetition(looping_server):
     assert after[trips % "retry"] - before.get(trips % "retry", 0) == 1
     assert after['kiln:request_success_total{finished_reason="repetition"}'] >= 3
     client.close()  # no idle keep-alive connection to hold up the server's shutdown
+
+
+def test_a_loop_inside_a_grammar_is_masked_and_the_json_stays_valid(looping_server):
+    """Under a grammar the guard bans the looping token for a redraw instead of stopping:
+    the JSON ends valid with finish_reason "stop", and every masked redraw is counted (per
+    request in usage.guard_redraws, and as action="mask" in /metrics)."""
+    client = looping_server.openai()
+    schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    before = looping_server.metrics()
+    out = client.chat.completions.create(
+        model=MODEL, messages=MSG, max_tokens=200, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra.get("stop_reason") is None
+    jsonschema.validate(json.loads(choice.message.content), schema)
+    redraws = out.usage.model_extra["guard_redraws"]
+    assert redraws >= 1
+    trips = 'kiln:repetition_guard_trips_total{action="mask"}'
+    assert looping_server.metrics()[trips] - before.get(trips, 0) == redraws
+    client.close()
