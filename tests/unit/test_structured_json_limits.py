@@ -28,7 +28,7 @@ def first_breach(text: str, shape: JsonShape | None = None) -> tuple[int, Breach
     ('["x","x","x","x"]', 12, Breach.REPEATED_ELEMENT),
     ("[" + ",".join(["0"] * 12) + "]", 16, Breach.REPEATED_ELEMENT),  # scalars: 8 copies
     ('["ab","cd","ab","cd","ab","cd","ab"]', 30, Breach.REPEATED_ELEMENT),  # alternating
-    ("[" + ",".join('{"n":"Cities","q":%d}' % i for i in range(1, 9)) + "]",
+    ("[" + ",".join(f'{{"n":"Cities","q":{i}}}' for i in range(1, 9)) + "]",
      1 + 6 * 20 + 5, Breach.REPEATED_ELEMENT),  # counting up: 6 objects but for numbers
     ('{"name":"Nyx' + "-Ki" * 5, 12 + 3 * 4 - 1, Breach.STRING_LOOP),  # a chunk 4 times
 ])
@@ -42,8 +42,8 @@ def test_each_bound_breaks_where_documented(text, at, breach):
     '{"xs":[0,0,0,0,0,0,0,0],"ys":["a","a","a"],"zs":[[1],[1],[1]]}',
     '{"s":"a\\\\\\"' + "b" * 32 + '"}',  # escapes break runs
     '["x","x","y","x","x","y"]',
-    "[" + ",".join('{"x":%d,"y":%d}' % (i, i) for i in range(20)) + "]",  # no string member
-    "[" + ",".join('{"date":"2024-01-%02d","v":1}' % i for i in range(1, 20)) + "]",
+    "[" + ",".join(f'{{"x":{i},"y":{i}}}' for i in range(20)) + "]",  # no string member
+    "[" + ",".join(f'{{"date":"2024-01-{i:02d}","v":1}}' for i in range(1, 20)) + "]",
     '{"s":"ha ha ha","t":"0x0000000000","u":"abcabcabc"}',
 ])
 def test_legitimate_json_breaks_nothing(text):
