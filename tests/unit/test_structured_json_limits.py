@@ -31,6 +31,7 @@ def first_breach(text: str, shape: JsonShape | None = None) -> tuple[int, Breach
     ("[" + ",".join(f'{{"n":"Cities","q":{i}}}' for i in range(1, 9)) + "]",
      1 + 6 * 20 + 5, Breach.REPEATED_ELEMENT),  # counting up: 6 objects but for numbers
     ('{"name":"Nyx' + "-Ki" * 5, 12 + 3 * 4 - 1, Breach.STRING_LOOP),  # a chunk 4 times
+    ('{"s":"' + "apple_banana_grape_" * 4, 6 + 19 * 3 - 1, Breach.STRING_LOOP),  # long: 3
 ])
 def test_each_bound_breaks_where_documented(text, at, breach):
     assert first_breach(text) == (at, breach)
@@ -44,7 +45,7 @@ def test_each_bound_breaks_where_documented(text, at, breach):
     '["x","x","y","x","x","y"]',
     "[" + ",".join(f'{{"x":{i},"y":{i}}}' for i in range(20)) + "]",  # no string member
     "[" + ",".join(f'{{"date":"2024-01-{i:02d}","v":1}}' for i in range(1, 20)) + "]",
-    '{"s":"ha ha ha","t":"0x0000000000","u":"abcabcabc"}',
+    '{"s":"ha ha ha","t":"0x0000000000","u":"abcabcabc","v":"' + "ab-cd-ef-gh-ij-" * 2 + '"}',
 ])
 def test_legitimate_json_breaks_nothing(text):
     assert first_breach(text) is None

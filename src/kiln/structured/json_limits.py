@@ -16,7 +16,8 @@ Bounds (`JsonLimits`, docs/structured.md):
   string runs       at most 32 of one character in a row, at most 32 digits in a row; a
                     string that fills its bound a third time must close (only `"` left).
   string loops      a string that ends in 4 copies of one chunk of 2..64 characters
-                    (`-Ki-Ki-Ki-Ki`, `-10-2018-10-2018...`) must close.
+                    (`-Ki-Ki-Ki-Ki`, `-10-2018-10-2018...`), 3 of a chunk of 16 or more,
+                    must close.
   repeated elements the same array element written identically `element_copies` times in a
                     row (3: strings, objects, arrays; 8: numbers, true/false/null, since rows
                     of zeros are common), two alternating elements 3 times each, or 6
@@ -35,6 +36,7 @@ from enum import Enum
 
 NUMBER_START = "-0123456789"
 NUMBER_CHARS = "0123456789.eE+-"
+LONG_CHUNK = 16  # string chunks this long loop at one copy fewer
 HISTORY = 8  # complete elements remembered per array (>= every *_copies, 2 x element_copies)
 _NUMBER = re.compile(r'-?\d+(\.\d+)?([eE][+-]?\d+)?')
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -121,13 +123,15 @@ class JsonShape:
 
     def _string_loops(self) -> bool:
         """Whether the current string ends in `string_loop_copies` copies of one chunk of 2..64
-        characters (checked once per token: a few slice comparisons)."""
+        characters, or one copy fewer of a chunk of 16 or more (checked once per token: a few
+        slice comparisons)."""
         lim = self.limits
         body = self.text[self.string_start:]
-        copies = lim.string_loop_copies
-        for size in range(2, min(lim.string_loop_chunk, len(body) // copies) + 1):
+        for size in range(2, min(lim.string_loop_chunk, len(body) // 2) + 1):
+            copies = lim.string_loop_copies - (size >= LONG_CHUNK)
             tail = body[-size * copies:]
-            if tail == tail[:size] * copies and len(set(tail)) > 1:
+            if len(tail) == size * copies and tail == tail[:size] * copies and \
+                    len(set(tail)) > 1:
                 return True
         return False
 
