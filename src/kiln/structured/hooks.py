@@ -119,10 +119,11 @@ class StructuredHooks:
             constraint.banned = []
         status = None
         if request.guard is not None and token not in banned:  # a ban the grammar overruled
-            masked = self._intervene(request, token, banned)
+            loops = self._trips(request, token)
+            masked = self._intervene(request, token, banned, loops)
             if masked is not None:
                 return masked
-            if self._trips(request, token):
+            if loops:
                 if request.guard.take_redraw():
                     self.num_redraws += 1
                     self._ban(request, [token])
@@ -139,10 +140,12 @@ class StructuredHooks:
                 status = RequestStatus.FINISHED_STOPPED
         return TokenCheck(status=status) if status is not None else KEEP
 
-    def _intervene(self, request: Request, token: int, banned: list[int]) -> TokenCheck | None:
+    def _intervene(self, request: Request, token: int, banned: list[int],
+                   loops: bool) -> TokenCheck | None:
         """In a grammar-constrained request, REDRAW with `token` banned (and the tokens that
-        would do the same) when it would break a JSON limit or continue a loop, so the
-        grammar's other continuations win and the output ends valid; None otherwise."""
+        would do the same) when it would break a JSON limit or continue a loop (`loops`: the
+        guard tripped), so the grammar's other continuations win and the output ends valid;
+        None otherwise."""
         constraint, guard = request.grammar, request.guard
         if constraint is None or constraint.matcher is None or self._vocab is None:
             return None
@@ -153,7 +156,7 @@ class StructuredHooks:
                 starts = breach[0].banned_starts(breach[1])
                 ban = [token] + (self._vocab.starting_with(starts) if starts else
                                  self._vocab.not_closing_string())
-        if ban is None and self._trips(request, token):
+        if ban is None and loops:
             ban = [token]
             if guard.json is not None and guard.json.in_string and \
                     guard.interventions >= LOOPS_BEFORE_CLOSING:
