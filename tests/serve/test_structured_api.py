@@ -125,20 +125,25 @@ def looping_server(tmp_path_factory):
     srv.stop()
 
 
-def test_a_loop_ends_with_finish_reason_repetition(looping_server):
+def test_a_loop_ends_with_stop_reason_repetition(looping_server):
+    """Over HTTP finish_reason keeps to OpenAI's values: a guard stop is "stop", with
+    stop_reason "repetition" (vLLM's field); the metrics keep kiln's own reason."""
     client = looping_server.openai()
     before = looping_server.metrics()
     out = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=50,
                                          temperature=0)
-    assert out.choices[0].finish_reason == "repetition"
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_extra["stop_reason"] == "repetition"
     assert out.usage.completion_tokens == 4
     chunks = list(client.completions.create(model=MODEL, prompt="Once", max_tokens=50,
                                             temperature=0, stream=True))
-    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == [
-        "repetition"]
+    assert [(c.choices[0].finish_reason, c.choices[0].model_extra["stop_reason"])
+            for c in chunks if c.choices[0].finish_reason] == [("stop", "repetition")]
     retry = client.completions.create(model=MODEL, prompt="Once", max_tokens=50,
                                       temperature=0, extra_body={"repetition_guard": "retry"})
-    assert retry.choices[0].finish_reason == "repetition" and retry.usage.completion_tokens == 8
+    assert retry.choices[0].finish_reason == "stop" and retry.usage.completion_tokens == 8
+    assert retry.choices[0].model_extra["stop_reason"] == "repetition"
+    assert retry.usage.model_extra["guard_redraws"] == 1
     off = client.completions.create(model=MODEL, prompt="Once", max_tokens=20, temperature=0,
                                     extra_body={"repetition_guard": {"mode": "off"}})
     assert off.choices[0].finish_reason == "length"
@@ -148,3 +153,23 @@ def test_a_loop_ends_with_finish_reason_repetition(looping_server):
     assert after[trips % "retry"] - before.get(trips % "retry", 0) == 1
     assert after['kiln:request_success_total{finished_reason="repetition"}'] >= 3
     client.close()  # no idle keep-alive connection to hold up the server's shutdown
+
+
+def test_a_loop_inside_a_grammar_is_masked_and_the_json_stays_valid(looping_server):
+    """Under a grammar the guard bans the looping token for a redraw instead of stopping:
+    the JSON ends valid with finish_reason "stop", and every masked redraw is counted (per
+    request in usage.guard_redraws, and as action="mask" in /metrics)."""
+    client = looping_server.openai()
+    schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    before = looping_server.metrics()
+    out = client.chat.completions.create(
+        model=MODEL, messages=MSG, max_tokens=200, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra.get("stop_reason") is None
+    jsonschema.validate(json.loads(choice.message.content), schema)
+    redraws = out.usage.model_extra["guard_redraws"]
+    assert redraws >= 1
+    trips = 'kiln:repetition_guard_trips_total{action="mask"}'
+    assert looping_server.metrics()[trips] - before.get(trips, 0) == redraws
+    client.close()

@@ -235,3 +235,37 @@ def test_a_stop_token_draft_ends_the_rows(tokenizer):
     constraint.fill_rows(bitmask, 0, drafts)
     assert _allowed(bitmask, 2, len(tokenizer)) == {2}
     assert constraint.valid_prefix([ids["a"]]) == 1  # rolled back to the start
+
+
+def test_json_without_free_whitespace_is_compact(tokenizer):
+    """Issue 51's cause: xgrammar's no-whitespace JSON forces `", "` and `": "`, spaces the
+    default model does not write, and its greedy JSON degenerated after them. Kiln's is
+    compact; with disable_any_whitespace=False a bounded amount of any whitespace is allowed."""
+    import xgrammar as xgr
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "b": {"type": "string"}}, "required": ["a", "b"]}
+    compiler = compiler_for(tokenizer)
+
+    def accepts(text: str, compact: bool) -> bool:
+        grammar = compiler.compile(spec(json=schema, disable_any_whitespace=compact))
+        return xgr.GrammarMatcher(grammar).accept_string(text)
+
+    assert accepts('{"a":1,"b":"x"}', True)
+    assert not accepts('{"a": 1, "b": "x"}', True)
+    assert accepts('{"a": 1, "b": "x"}', False) and accepts('{"a":1,"b":"x"}', False)
+    assert not accepts('{"a":' + " " * 17 + '1,"b":"x"}', False)
+
+
+def test_a_ban_of_many_tokens_clears_exactly_their_bits():
+    vocab = 200
+    row = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
+    constraint = TokenConstraint()
+    constraint.banned = [0, 31, 63, 64, 199, 31]  # bit 31: the int32 sign bit
+    constraint.apply_ban(row, 0)
+    allowed = [t for t in range(vocab) if int(row[0, t // 32]) >> (t % 32) & 1]
+    assert allowed == [t for t in range(vocab) if t not in (0, 31, 63, 64, 199)]
+    everything = TokenConstraint()
+    everything.banned = list(range(7 * 32))
+    before = row.clone()
+    everything.apply_ban(row, 0)  # would forbid every token: the ban gives way
+    assert torch.equal(row, before)

@@ -31,6 +31,7 @@ from kiln.serve.generation import (
     check_grammar,
     check_top_logprobs,
     openai_finish_reason,
+    openai_stop_reason,
     run_to_end,
     sampling_params,
     sse,
@@ -120,7 +121,8 @@ def _response(gen: Generation, req: ChatCompletionRequest,
             reason = _tool_finish_reason(reason, bool(calls))
         choices.append(ChatChoice(index=seq.index, message=message, logprobs=logprobs,
                                   finish_reason=openai_finish_reason(reason),
-                                  stop_reason=seq.stop_reason))
+                                  stop_reason=openai_stop_reason(seq.finish_reason,
+                                                                 seq.stop_reason)))
     return ChatCompletionResponse(id=gen.request_id, created=gen.ctx.created,
                                   model=gen.ctx.model_name, choices=choices, usage=gen.usage())
 
@@ -170,7 +172,7 @@ def _chunk_choice(c: Choice, gen: Generation, req: ChatCompletionRequest,
                           tool_calls=[_call_delta(d) for d in found.calls] or None)
     return ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs,
                            finish_reason=openai_finish_reason(reason),
-                           stop_reason=c.delta.stop_reason)
+                           stop_reason=c.stop_reason)
 
 
 def _call_delta(d: CallDelta) -> ToolCallDelta:

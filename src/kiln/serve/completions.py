@@ -29,6 +29,7 @@ from kiln.serve.generation import (
     check_grammar,
     check_top_logprobs,
     openai_finish_reason,
+    openai_stop_reason,
     run_to_end,
     sampling_params,
     sse,
@@ -159,7 +160,8 @@ class _View:
         return CompletionChoice(index=p * self.req.n + seq.index, text=echo + text,
                                 logprobs=logprobs,
                                 finish_reason=openai_finish_reason(seq.finish_reason),
-                                stop_reason=seq.stop_reason)
+                                stop_reason=openai_stop_reason(seq.finish_reason,
+                                                               seq.stop_reason))
 
     # -- stream -----------------------------------------------------------------------------
 
@@ -188,7 +190,7 @@ class _View:
             return b""
         return sse(self._wrap([CompletionChoice(
             index=c.index, text=text, logprobs=lp.out if lp else None,
-            finish_reason=c.finish_reason, stop_reason=c.delta.stop_reason)]))
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason)]))
 
     def _wrap(self, choices: list[CompletionChoice], usage: bool = False) -> CompletionResponse:
         return CompletionResponse(id=self.gen.request_id, created=self.gen.ctx.created,

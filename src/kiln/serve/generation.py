@@ -35,9 +35,9 @@ from kiln.serve.usage import TokenCounts, make_usage
 from kiln.structured.gateway import from_response_format
 
 DONE = b"data: [DONE]\n\n"
-# engine reason -> API reason; "repetition" (the repetition guard) is a documented extension
-FINISH_REASONS = {"stop": "stop", "length": "length", "repetition": "repetition",
-                  "abort": "abort"}
+# engine reason -> API reason: OpenAI's values, so typed clients accept every response; why the
+# repetition guard stopped a request goes in `stop_reason` ("repetition", vLLM's field)
+FINISH_REASONS = {"stop": "stop", "length": "length", "repetition": "stop", "abort": "abort"}
 
 
 @dataclass
@@ -58,10 +58,20 @@ class Choice:
     def finish_reason(self) -> str | None:
         return openai_finish_reason(self.delta.finish_reason)
 
+    @property
+    def stop_reason(self) -> int | str | None:
+        return openai_stop_reason(self.delta.finish_reason, self.delta.stop_reason)
+
 
 def openai_finish_reason(reason: str | None) -> str | None:
-    """The engine's reason in the API's vocabulary (OpenAI's, plus "repetition")."""
+    """The engine's reason in OpenAI's vocabulary (a guard stop is "stop")."""
     return None if reason is None else FINISH_REASONS.get(reason, reason)
+
+
+def openai_stop_reason(reason: str | None, stop_reason: int | str | None) -> int | str | None:
+    """`stop_reason` on the wire: the matched stop string or token id, or "repetition" when
+    the repetition guard ended the sequence."""
+    return "repetition" if reason == "repetition" else stop_reason
 
 
 class Generation:
@@ -79,6 +89,7 @@ class Generation:
         self._first_token: float | None = None
         self._last_token: dict[str, float] = {}
         self._closed = False
+        self.num_guard_redraws = 0  # tokens the repetition guard dropped and sampled again
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -131,8 +142,10 @@ class Generation:
             if out.finish_reason == "error":  # e.g. its grammar failed in the worker
                 raise RequestRejected(out.stop_reason or "the engine failed the request",
                                       None, "engine_error")
-            if out.num_redraws:
-                self.ctx.metrics.guard_trips.labels("retry").inc(out.num_redraws)
+            if out.num_redraws:  # constrained requests mask instead (kiln.structured.hooks)
+                action = "retry" if self.params.structured_outputs is None else "mask"
+                self.ctx.metrics.guard_trips.labels(action).inc(out.num_redraws)
+                self.num_guard_redraws += out.num_redraws
             if owner[1].absorb(out):  # a stop string ended it before the engine did
                 self.stream.abort([out.request_id])
             touched[out.request_id] = owner
@@ -174,6 +187,7 @@ class Generation:
     def usage(self) -> Usage:
         usage = make_usage(self.counts(), self.ctx.pricing)
         usage.speculative = self.speculative_usage()
+        usage.guard_redraws = self.num_guard_redraws or None
         return usage
 
     def speculative_usage(self) -> SpeculativeUsage | None:
@@ -218,7 +232,7 @@ class Generation:
                     m.spec_accepted_by_source.labels(source).inc(accepted)
         for state in self.states:
             for seq in state.sequences.values():
-                reason = FINISH_REASONS.get(seq.finish_reason or "abort", seq.finish_reason)
+                reason = seq.finish_reason or "abort"  # kiln's own ("repetition" included)
                 m.finished.labels(reason).inc()
                 if reason == "repetition":
                     m.guard_trips.labels("stop").inc()

@@ -26,8 +26,10 @@ treats as a counter reset). Each server has its own registry (no process-global 
   kiln:spec_decode_num_draft_tokens_by_source_total{source} / _num_accepted_tokens_by_source_total
                                             the same by who drafted (ngram = lookup, draft,
                                             head: with --ngram-first, lookup and the model)
-  kiln:repetition_guard_trips_total{action}  repetition guard: stop (finish_reason repetition)
-                                            or retry (the looping token redrawn once)
+  kiln:repetition_guard_trips_total{action}  repetition guard: stop (stop_reason repetition),
+                                            retry (the looping token redrawn once), or mask
+                                            (a constrained request's token banned and redrawn:
+                                            a loop or a JSON limit, kiln.structured.json_limits)
   kiln:grammar_compile_seconds              grammar compiles (cache misses) checking requests
   kiln:http_errors_total{status}            error responses but /health's (and stream errors)
 
@@ -113,8 +115,9 @@ class ServeMetrics:
             "Draft tokens accepted by who drafted them (ngram = lookup, draft, head)",
             ["source"], registry=r)
         self.guard_trips = Counter("kiln:repetition_guard_trips",
-                                   "Repetition-guard trips: stop (sequence ended) or retry "
-                                   "(looping token redrawn)", ["action"], registry=r)
+                                   "Repetition-guard trips: stop (sequence ended), retry "
+                                   "(looping token redrawn) or mask (constrained request: "
+                                   "token banned and redrawn)", ["action"], registry=r)
         self.grammar_compile = Histogram("kiln:grammar_compile_seconds",
                                          "Grammar compile time (cache misses, gateway check)",
                                          buckets=GRAMMAR_BUCKETS, registry=r)

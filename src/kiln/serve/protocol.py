@@ -210,6 +210,9 @@ class Usage(BaseModel):
     cost: float = Field(description="kiln: USD for this request, from the server's price table")
     speculative: SpeculativeUsage | None = Field(
         None, description="kiln: draft tokens proposed and accepted (absent without drafts)")
+    guard_redraws: int | None = Field(
+        None, description="kiln: tokens the repetition guard dropped and sampled again; in a "
+        "constrained request its masked interventions (absent without any)")
 
 
 class ChatCompletionResponse(BaseModel):

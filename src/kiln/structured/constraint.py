@@ -143,10 +143,11 @@ class TokenConstraint:
         """Clear the banned tokens' bits in `row`, unless that would forbid everything."""
         if not self.banned:
             return
-        saved = bitmask[row].clone()
-        for token in self.banned:
-            word, bit = divmod(token, 32)
-            value = int(bitmask[row, word]) & 0xFFFFFFFF & ~(1 << bit)
-            bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value  # int32
-        if not bool(bitmask[row].any()):
-            bitmask[row] = saved  # the grammar allows only the banned token: keep it
+        ids = torch.tensor(sorted(set(self.banned)), dtype=torch.int64)
+        ids = ids[ids < bitmask.shape[1] * 32]
+        words = bitmask[row].to(torch.int64) & 0xFFFFFFFF
+        clear = torch.zeros_like(words).index_put_((ids // 32,), 1 << (ids % 32),
+                                                   accumulate=True)  # unique ids: sum = OR
+        kept = words & ~clear
+        if bool(kept.any()):  # else the grammar allows only banned tokens: keep them
+            bitmask[row] = torch.where(kept >= 1 << 31, kept - (1 << 32), kept).to(torch.int32)

@@ -20,8 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.sampling_params import RepetitionGuardParams
+from kiln.structured.json_limits import JsonShape
 
 DEFAULTS = RepetitionGuardParams()
+MAX_INTERVENTIONS = 64  # masked redraws per constrained request; past them a loop stops it
 
 
 @dataclass(frozen=True)
@@ -66,11 +68,22 @@ def find_loop(history: list[int], token: int, s: GuardSettings, filler: bytes) -
 
 
 class GuardState:
-    """One sequence's guard: its settings and whether it already used its redraw."""
+    """One sequence's guard: its settings, whether it already used its redraw, and in a
+    grammar-constrained request the masked redraws it made (`interventions`) and, for JSON,
+    the shape of the output so far (kiln.structured.json_limits)."""
 
-    def __init__(self, settings: GuardSettings):
+    def __init__(self, settings: GuardSettings, json: JsonShape | None = None):
         self.settings = settings
         self.num_redraws = 0
+        self.json = json
+        self.interventions = 0
+
+    def take_intervention(self) -> bool:
+        """One more masked redraw in a constrained request (False past MAX_INTERVENTIONS)."""
+        if self.interventions >= MAX_INTERVENTIONS:
+            return False
+        self.interventions += 1
+        return True
 
     def check(self, history: list[int], token: int, filler: bytes) -> str | None:
         return find_loop(history, token, self.settings, filler)

@@ -25,11 +25,13 @@ from kiln.engine.scheduler import KEEP, TokenCheck
 from kiln.sampling_params import SamplingParams
 from kiln.structured.compiler import GrammarCompiler
 from kiln.structured.constraint import TokenConstraint
-from kiln.structured.grammar_spec import GrammarError, grammar_spec
+from kiln.structured.grammar_spec import GrammarError, GrammarSpec, grammar_spec
 from kiln.structured.guard import GuardState, guard_settings
+from kiln.structured.json_limits import JsonShape, limits_for_schema
 from kiln.structured.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
+LOOPS_BEFORE_CLOSING = 4  # masked loops in a JSON request before a looping string must close
 
 
 REDRAW = TokenCheck(keep=False)
@@ -46,6 +48,7 @@ class StructuredHooks:
         self.compiler = GrammarCompiler(self._tokenizer_info, config)
         self.num_guard_stops = 0
         self.num_redraws = 0
+        self.num_interventions = 0  # masked redraws in constrained requests (_intervene)
 
     def vocab(self) -> Vocabulary | None:
         return self._vocab
@@ -60,6 +63,7 @@ class StructuredHooks:
     def attach(self, request: Request) -> None:
         """Give a new request its grammar (compiling in the background) and its guard."""
         params = request.params
+        spec = None
         if params.structured_outputs is not None:
             spec = grammar_spec(params.structured_outputs)
             request.grammar = TokenConstraint(self.compiler.submit(spec), self._stop_ids,
@@ -67,7 +71,8 @@ class StructuredHooks:
                                               utf8=lambda: self._vocab.utf8)
         settings = guard_settings(params.repetition_guard, self.default_guard_mode(params))
         if settings.mode != "off":
-            request.guard = GuardState(settings)
+            request.guard = GuardState(settings, json_shape(spec, request.output_token_ids,
+                                                            self._vocab))
 
     def default_guard_mode(self, params: SamplingParams) -> str:
         """The engine's mode, except with ignore_eos: the client asked for exactly max_tokens
@@ -93,25 +98,61 @@ class StructuredHooks:
     def check_token(self, request: Request, token: int) -> TokenCheck:
         """Judge `token`, sampled for `request` (not yet appended): run the guard, then
         advance the grammar. Finishing statuses: repetition (guard), stop (the grammar
-        terminated), error (the grammar rejected the token; masks make that a bug)."""
+        terminated), error (the grammar rejected the token; masks make that a bug). In a
+        constrained request the guard masks instead of stopping (`_intervene`)."""
         constraint = request.grammar
+        banned = constraint.banned if constraint is not None else []
         if constraint is not None:
             constraint.banned = []
         status = None
-        if request.guard is not None and self._trips(request, token):
-            if request.guard.take_redraw():
-                self.num_redraws += 1
-                self._ban(request, token)
-                return REDRAW
-            self.num_guard_stops += 1
-            status = RequestStatus.FINISHED_REPETITION
+        if request.guard is not None and token not in banned:  # a ban the grammar overruled
+            loops = self._trips(request, token)
+            masked = self._intervene(request, token, banned, loops)
+            if masked is not None:
+                return masked
+            if loops:
+                if request.guard.take_redraw():
+                    self.num_redraws += 1
+                    self._ban(request, [token])
+                    return REDRAW
+                self.num_guard_stops += 1
+                status = RequestStatus.FINISHED_REPETITION
         if constraint is not None and constraint.matcher is not None:
             if not constraint.accept(token):
                 request.stop_reason = f"the grammar rejected token {token}"
                 return TokenCheck(status=RequestStatus.FINISHED_ERROR)
+            if request.guard is not None and request.guard.json is not None:
+                request.guard.json.feed(self._vocab.text(token))
             if status is None and constraint.terminated:
                 status = RequestStatus.FINISHED_STOPPED
         return TokenCheck(status=status) if status is not None else KEEP
+
+    def _intervene(self, request: Request, token: int, banned: list[int],
+                   loops: bool) -> TokenCheck | None:
+        """In a grammar-constrained request, REDRAW with `token` banned (and the tokens that
+        would do the same) when it would break a JSON limit or continue a loop (`loops`: the
+        guard tripped), so the grammar's other continuations win and the output ends valid;
+        None otherwise."""
+        constraint, guard = request.grammar, request.guard
+        if constraint is None or constraint.matcher is None or self._vocab is None:
+            return None
+        ban = None
+        if guard.json is not None:
+            breach = guard.json.fork().feed(self._vocab.text(token))
+            if breach is not None:
+                starts = breach[0].banned_starts(breach[1])
+                ban = [token] + (self._vocab.starting_with(starts) if starts else
+                                 self._vocab.not_closing_string())
+        if ban is None and loops:
+            ban = [token]
+            if guard.json is not None and guard.json.in_string and \
+                    guard.interventions >= LOOPS_BEFORE_CLOSING:
+                ban += self._vocab.not_closing_string()  # a string that keeps looping ends
+        if ban is None or not guard.take_intervention():
+            return None
+        self.num_interventions += 1
+        self._ban(request, banned + ban)
+        return REDRAW
 
     def _trips(self, request: Request, token: int) -> bool:
         vocab = self._vocab
@@ -122,10 +163,10 @@ class StructuredHooks:
         constraint = request.grammar
         return constraint is None or not constraint.forces(vocab.text(token))
 
-    def _ban(self, request: Request, token: int) -> None:
+    def _ban(self, request: Request, tokens: list[int]) -> None:
         if request.grammar is None:
             request.grammar = TokenConstraint()
-        request.grammar.banned = [token]
+        request.grammar.banned = tokens
 
     def draft_filter(self, request: Request, drafts: list[int]) -> int:
         """How many leading drafts the request's grammar (and a pending ban) allows."""
@@ -135,3 +176,13 @@ class StructuredHooks:
         if not constraint.ready():
             return 0
         return constraint.valid_prefix(drafts)
+
+
+def json_shape(spec: GrammarSpec | None, replay: list[int],
+               vocab: Vocabulary | None) -> JsonShape | None:
+    """The JSON limits' tracker for a JSON-kind grammar (after the output it resumes from)."""
+    if spec is None or spec.kind not in ("json", "json_object") or vocab is None:
+        return None
+    shape = JsonShape(limits_for_schema(spec.source if spec.kind == "json" else None))
+    shape.feed("".join(vocab.text(t) for t in replay))
+    return shape

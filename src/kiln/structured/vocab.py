@@ -35,6 +35,8 @@ class Vocabulary:
         self.texts = texts + [""] * (vocab_size - len(texts))
         self.filler = bytes(is_filler(t) for t in self.texts)  # filler[id] is 1 or 0
         self._info = None
+        self._starting: dict[str, list[int]] = {}
+        self._open: list[int] | None = None
         self.utf8 = None  # kiln.structured.utf8.Utf8Table, with the TokenizerInfo
         self._lock = threading.Lock()
 
@@ -49,6 +51,21 @@ class Vocabulary:
 
     def text(self, token_id: int) -> str:
         return self.texts[token_id] if 0 <= token_id < len(self.texts) else ""
+
+    def starting_with(self, chars: str) -> list[int]:
+        """Ids of the tokens whose text, past leading whitespace, begins with one of `chars`
+        (the JSON limits ban such a class at once; cached per `chars`)."""
+        ids = self._starting.get(chars)
+        if ids is None:
+            ids = [i for i, t in enumerate(self.texts) if t.lstrip()[:1] in chars and t.strip()]
+            self._starting[chars] = ids
+        return ids
+
+    def not_closing_string(self) -> list[int]:
+        """Ids of the tokens that do not begin with `"` (cached)."""
+        if self._open is None:
+            self._open = [i for i, t in enumerate(self.texts) if not t.startswith('"')]
+        return self._open
 
     def tokenizer_info(self):
         """xgrammar's TokenizerInfo for this vocabulary, and the UTF-8 table from its token

@@ -1,0 +1,300 @@
+"""Bounds on degenerate JSON inside a JSON-constrained request, enforced by masking.
+
+A grammar guarantees the shape of the JSON, not that it ends: a number may grow digits forever,
+a string may run on, an array may repeat one element until the length limit. `JsonShape`
+follows the output text character by character (a small JSON lexer: strings, escapes, numbers,
+array nesting) and, for the text a sampled token would add, names the first bound it would
+break. The guard (kiln.structured.hooks) then drops that token and bans it, with the tokens
+that would break the bound the same way, for a redraw of the same position; the grammar's other
+legal continuations win (the number ends, the string goes on with other characters, the array
+closes with `]`), so the output stays valid JSON.
+
+Bounds (`JsonLimits`, docs/structured.md):
+  number digits     at most 16 significant digits (float64 carries no more), at most 16 zeros
+                    before the first significant one, at most 3 exponent digits. A schema whose
+                    `minimum`/`maximum`/... need more digits raises the significant bound to fit.
+  string runs       at most 32 of one character in a row, at most 32 digits in a row; a
+                    string that fills its bound a third time must close (only `"` left).
+  string loops      a string that ends in 4 copies of one chunk of 2..64 characters
+                    (`-Ki-Ki-Ki-Ki`, `-10-2018-10-2018...`), 3 of a chunk of 16 or more,
+                    must close.
+  repeated elements the same array element written identically `element_copies` times in a
+                    row (3: strings, objects, arrays; 8: numbers, true/false/null, since rows
+                    of zeros are common), two alternating elements 3 times each, or 6
+                    objects with a string member that differ only in their numbers (a model
+                    counting `{"name":"Laptop","quantity":1}`, `..."quantity":2}` up), ends the
+                    array: no further `,` in it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+NUMBER_START = "-0123456789"
+NUMBER_CHARS = "0123456789.eE+-"
+LONG_CHUNK = 16  # string chunks this long loop at one copy fewer
+HISTORY = 8  # complete elements remembered per array (>= every *_copies, 2 x element_copies)
+_NUMBER = re.compile(r'-?\d+(\.\d+)?([eE][+-]?\d+)?')
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+class Breach(Enum):
+    """Which bound a token would break."""
+
+    NUMBER_DIGITS = "number_digits"
+    EXPONENT_DIGITS = "exponent_digits"
+    STRING_RUN = "string_run"
+    STRING_DIGITS = "string_digits"
+    STRING_END = "string_end"  # a run past its bound again after two capped runs: close it
+    STRING_LOOP = "string_loop"  # a string ends in 4 copies of one chunk: close it
+    REPEATED_ELEMENT = "repeated_element"
+
+    def banned_starts(self, char: str) -> str:
+        """The first characters of the tokens banned with the breaking one: those that
+        would break the bound the same way (`char`: the character that broke it); "" for
+        STRING_END and STRING_LOOP, which ban every token but those that close the string."""
+        return {Breach.NUMBER_DIGITS: "0123456789.", Breach.EXPONENT_DIGITS: "0123456789",
+                Breach.STRING_RUN: char, Breach.STRING_DIGITS: "0123456789",
+                Breach.STRING_END: "", Breach.STRING_LOOP: "",
+                Breach.REPEATED_ELEMENT: ","}[self]
+
+
+@dataclass(frozen=True)
+class JsonLimits:
+    number_digits: int = 16
+    leading_zeros: int = 16
+    exponent_digits: int = 3
+    string_run: int = 32
+    string_digits: int = 32
+    string_loop_copies: int = 4  # a chunk of 2..64 characters this many times ends a string
+    string_loop_chunk: int = 64
+    element_copies: int = 3
+    scalar_copies: int = 8
+    similar_copies: int = 6  # objects equal but for their numbers (counting items up)
+
+
+@dataclass
+class _Array:
+    start: int | None = None  # offset in the text where the current element began
+    recent: list[str] = field(default_factory=list)  # the last complete elements' texts
+
+
+@dataclass
+class _Number:
+    significant: int = 0
+    zeros: int = 0  # zeros before the first significant digit
+    exponent: int | None = None  # digits after e/E; None before the exponent
+
+
+@dataclass
+class JsonShape:
+    limits: JsonLimits = field(default_factory=JsonLimits)
+    text: str = ""
+    arrays: list[_Array | None] = field(default_factory=list)  # None for an object level
+    in_string: bool = False
+    escaped: bool = False
+    run_char: str = ""
+    run: int = 0
+    digits: int = 0  # digits in a row inside the current string
+    string_start: int = 0  # offset of the current string's first character
+    capped: int = 0  # runs in the current string that reached their bound
+    number: _Number | None = None
+
+    def fork(self) -> JsonShape:
+        return replace(self, arrays=[replace(a, recent=list(a.recent)) if a else None
+                                     for a in self.arrays],
+                       number=replace(self.number) if self.number else None)
+
+    def feed(self, piece: str) -> tuple[Breach, str] | None:
+        """Advance over `piece`; the first bound broken (with the character involved), or
+        None. After a breach the state is unusable: feed a `fork()` to test a token."""
+        for ch in piece:
+            breach = self._char(ch)
+            self.text += ch
+            if breach is not None:
+                return breach, ch
+        if self.in_string and self._string_loops():
+            return Breach.STRING_LOOP, piece[-1:]
+        return None
+
+    def _string_loops(self) -> bool:
+        """Whether the current string ends in `string_loop_copies` copies of one chunk of 2..64
+        characters, or one copy fewer of a chunk of 16 or more (checked once per token: a few
+        slice comparisons)."""
+        lim = self.limits
+        body = self.text[self.string_start:]
+        for size in range(2, min(lim.string_loop_chunk, len(body) // 2) + 1):
+            copies = lim.string_loop_copies - (size >= LONG_CHUNK)
+            tail = body[-size * copies:]
+            if len(tail) == size * copies and tail == tail[:size] * copies and \
+                    len(set(tail)) > 1:
+                return True
+        return False
+
+    # -- one character ------------------------------------------------------------------------
+
+    def _char(self, ch: str) -> Breach | None:
+        if self.in_string:
+            return self._string_char(ch)
+        if self.number is not None:
+            if ch in NUMBER_CHARS:
+                return self._number_char(ch)
+            self.number = None
+        if ch == '"':
+            self._value_starts()
+            self.in_string, self.run, self.digits, self.capped = True, 0, 0, 0
+            self.string_start = len(self.text) + 1
+        elif ch in NUMBER_START:
+            self._value_starts()
+            self.number = _Number()
+            return self._number_char(ch)
+        elif ch in "[{":
+            self._value_starts()
+            self.arrays.append(_Array() if ch == "[" else None)
+        elif ch in "]}":
+            if self.arrays:
+                self._element_ends(self.arrays.pop())
+        elif ch == ",":
+            return self._comma()
+        elif ch in "tfn":
+            self._value_starts()
+        return None
+
+    def _string_char(self, ch: str) -> Breach | None:
+        if self.escaped:
+            self.escaped, self.run, self.digits = False, 0, 0
+            return None
+        if ch == "\\":
+            self.escaped = True
+            return None
+        if ch == '"':
+            self.in_string = False
+            return None
+        self.run = self.run + 1 if ch == self.run_char else 1
+        self.run_char = ch
+        self.digits = self.digits + 1 if ch.isdigit() else 0
+        lim = self.limits
+        self.capped += self.run == lim.string_run or self.digits == lim.string_digits
+        if self.run > lim.string_run or self.digits > lim.string_digits:
+            if self.capped > 2:  # the third capped run: the string goes nowhere, end it
+                return Breach.STRING_END
+            return Breach.STRING_RUN if self.run > lim.string_run else Breach.STRING_DIGITS
+        return None
+
+    def _number_char(self, ch: str) -> Breach | None:
+        n, lim = self.number, self.limits
+        if ch in "eE":
+            n.exponent = 0
+        elif not ch.isdigit():
+            return None  # sign or decimal point
+        elif n.exponent is not None:
+            n.exponent += 1
+            return Breach.EXPONENT_DIGITS if n.exponent > lim.exponent_digits else None
+        elif ch == "0" and not n.significant:
+            n.zeros += 1
+            return Breach.NUMBER_DIGITS if n.zeros > lim.leading_zeros else None
+        else:
+            n.significant += 1
+            return Breach.NUMBER_DIGITS if n.significant > lim.number_digits else None
+        return None
+
+    # -- array elements -----------------------------------------------------------------------
+
+    def _value_starts(self) -> None:
+        """A value begins here: if it is an array element, remember where (the first
+        character only: `"` of a string inside an element object is not an element)."""
+        top = self.arrays[-1] if self.arrays else None
+        if top is not None and top.start is None:
+            top.start = len(self.text)
+
+    def _element_ends(self, closed: _Array | None) -> None:
+        """`]` or `}` closed a container; if it closed an array, its element ends too."""
+        if closed is not None:
+            self._complete(closed)
+
+    def _comma(self) -> Breach | None:
+        top = self.arrays[-1] if self.arrays else None
+        if top is None:
+            return None
+        self._complete(top)
+        return Breach.REPEATED_ELEMENT if self._elements_loop(top.recent) else None
+
+    def _elements_loop(self, recent: list[str]) -> bool:
+        """The last elements are one element `element_copies` times (scalars:
+        `scalar_copies`), or two alternating elements `element_copies` times each."""
+        lim = self.limits
+        if not recent:
+            return False
+        composite = recent[-1][:1] in '"[{'
+        same = lim.element_copies if composite else lim.scalar_copies
+        if len(recent) >= same and len(set(recent[-same:])) == 1:
+            return True
+        if not composite:
+            return False
+        pair = recent[-2 * lim.element_copies:]
+        if len(pair) == 2 * lim.element_copies and pair == pair[:2] * lim.element_copies:
+            return True
+        similar = recent[-lim.similar_copies:]
+        return len(similar) == lim.similar_copies and recent[-1][:1] == "{" and \
+            len({_numbers_blanked(e) for e in similar}) == 1 and '":"' in _squeeze(recent[-1])
+
+    def _complete(self, array: _Array) -> None:
+        if array.start is None:
+            return
+        array.recent = (array.recent + [self.text[array.start:].strip()])[-HISTORY:]
+        array.start = None
+
+
+def limits_for_schema(schema_text: str | None) -> JsonLimits:
+    """The default limits, with the significant-digit bound raised to fit the largest
+    numeric bound the schema names (so `maximum: 1e20` integers stay writable)."""
+    if not schema_text:
+        return JsonLimits()
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return JsonLimits()
+    needed = max((_digits(v) for v in _numeric_bounds(schema)), default=0)
+    return JsonLimits(number_digits=max(JsonLimits.number_digits, needed))
+
+
+_BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+def _numeric_bounds(schema: object):
+    if isinstance(schema, list):
+        for item in schema:
+            yield from _numeric_bounds(item)
+    elif isinstance(schema, dict):
+        for key, value in schema.items():
+            if key in _BOUND_KEYS and isinstance(value, (int, float)) and \
+                    not isinstance(value, bool):
+                yield value
+            else:
+                yield from _numeric_bounds(value)
+
+
+def _digits(value: int | float) -> int:
+    """Significant digits needed to write numbers up to |value| (plus one of headroom)."""
+    if isinstance(value, int):
+        return len(str(abs(value))) + 1
+    if not math.isfinite(value) or value == 0:
+        return 0
+    return max(0, math.floor(math.log10(abs(value)))) + 2
+
+
+def _numbers_blanked(element: str) -> str:
+    """The element with every JSON number outside its strings written as `#`."""
+    parts, at = [], 0
+    for m in _STRING.finditer(element):
+        parts.append(_NUMBER.sub("#", element[at:m.start()]) + m.group())
+        at = m.end()
+    return "".join(parts) + _NUMBER.sub("#", element[at:])
+
+
+def _squeeze(element: str) -> str:
+    return re.sub(r'"\s*:\s*"', '":"', element)

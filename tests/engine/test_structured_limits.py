@@ -1,0 +1,98 @@
+"""Issue 51: a model that always prefers to continue a number, a string or a list still writes
+JSON that parses and validates, because the guard masks (never stops) inside a constrained
+request; each masked redraw is counted. Crafted checkpoints (the looping model's recipe) make
+one token win after any input: a digit, or the quote-comma of a repeated list item."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kiln import LLM, SamplingParams
+from kiln.sampling_params import RepetitionGuardParams, StructuredOutputsParams
+
+SCHEMAS = {
+    "number": {"type": "object", "properties": {"n": {"type": "number"}}, "required": ["n"]},
+    "integer": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+    "string": {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]},
+    "numbers": {"type": "object", "properties": {"xs": {"type": "array", "items": {
+        "type": "number"}}}, "required": ["xs"]},
+    "items": {"type": "object", "properties": {"items": {"type": "array", "items": {
+        "type": "object", "properties": {"name": {"type": "string"},
+                                         "quantity": {"type": "integer"}},
+        "required": ["name", "quantity"]}}}, "required": ["items"]},
+}
+
+
+def make_loving_checkpoint(path: Path, text: str) -> Path:
+    """A tiny model whose every step prefers the first token of `text` (see
+    tests/engine/test_structured_guard.py's looping model)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from kiln.testing.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(path, "mistral")
+    tok = AutoTokenizer.from_pretrained(path)
+    token = tok.convert_tokens_to_ids([t for t in tok.tokenize(text) if t != "▁"])[0]
+    weights = load_file(path / "model.safetensors")
+    for name, w in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w.zero_()
+    weights["model.embed_tokens.weight"].copy_(torch.ones_like(
+        weights["model.embed_tokens.weight"]))
+    weights["lm_head.weight"][token] = 2.0 * weights["model.norm.weight"]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module", params=["1", '",'])
+def loving_llm(request, tmp_path_factory):
+    path = make_loving_checkpoint(tmp_path_factory.mktemp("loving"), request.param)
+    return LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, num_threads=1)
+
+
+def _json(llm, schema, max_tokens=400, **params):
+    return llm.generate("Data:", SamplingParams(
+        max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(json=schema), **params),
+        use_tqdm=False)[0].outputs[0]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_constrained_output_always_ends_valid(loving_llm, name):
+    import jsonschema
+    before = loving_llm.engine.structured.num_interventions
+    for params in ({"temperature": 0}, {"temperature": 0.8, "seed": 3}):
+        out = _json(loving_llm, SCHEMAS[name], **params)
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), SCHEMAS[name])
+    assert loving_llm.engine.structured.num_interventions >= before
+
+
+def test_a_number_keeps_at_most_16_significant_digits(tmp_path_factory):
+    llm = LLM(str(make_loving_checkpoint(tmp_path_factory.mktemp("ones"), "1")),
+              dtype="float32", kv_cache_memory=8 << 20, num_threads=1)
+    out = _json(llm, SCHEMAS["integer"], temperature=0)
+    digits = str(json.loads(out.text)["n"])
+    assert digits.startswith("1" * 16) and len(digits.lstrip("-")) == 16
+    assert llm.engine.structured.num_interventions >= 1
+    # a schema whose bound needs 21 digits gets them (xgrammar refuses integer bounds past int64); guard off: no limits at all (length)
+    big = {"type": "object", "properties": {"n": {"type": "number", "maximum": 1e21}},
+           "required": ["n"]}
+    wide = _json(llm, big, temperature=0, max_tokens=21 + 5)
+    assert "1" * 17 in wide.text  # past the default 16 (xgrammar keeps the maximum itself)
+    off = _json(llm, SCHEMAS["integer"], temperature=0,
+                repetition_guard=RepetitionGuardParams(mode="off"))
+    assert off.finish_reason == "length"
+
+
+def test_unconstrained_requests_are_unchanged(tmp_path_factory):
+    """No grammar, no JSON limits: the guard stops the loop as it always did."""
+    llm = LLM(str(make_loving_checkpoint(tmp_path_factory.mktemp("plain"), "1")),
+              dtype="float32", kv_cache_memory=8 << 20, num_threads=1)
+    out = llm.generate("Data:", SamplingParams(max_tokens=300, temperature=0),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "repetition" and llm.engine.structured.num_interventions == 0
