@@ -53,5 +53,14 @@ def widened_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight.float()).to(x.dtype)
 
 
+def bf16_linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight bf16 [N, K]^T as fp32 [M, N], from the fp32 sums, never rounded to
+    bf16 (the LM head's logits): kiln's `bf16_gemm_f32` (AVX512-BF16 dot products on bf16 x
+    where the CPU has them), else torch's matmul on widened copies (the reference)."""
+    if weight.dtype == torch.bfloat16 and x.device.type == "cpu" and cpu.load():
+        return torch.ops.kiln.bf16_gemm_f32(x, weight)
+    return F.linear(x.float(), weight.float())
+
+
 def _kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.kiln.bf16_gemm(x, weight)

@@ -53,6 +53,15 @@ def int8_gemv_mm(x: torch.Tensor, weight: torch.Tensor,
     return torch.ops.kiln.int8_gemv(x, weight, scale)
 
 
+def int8_gemv_fp32(x: torch.Tensor, weight: torch.Tensor,
+                   scale: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] float @ (weight int8 [N, K] * scale [N, 1])^T -> fp32 [M, N] at any M (an LM
+    head's logits); None off-CPU or where the kiln kernels did not build."""
+    if x.device.type != "cpu" or not cpu.load():
+        return None
+    return torch.ops.kiln.int8_gemv(x.float(), weight, scale)
+
+
 def int8_int8_mm(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """xq int8 [M, K] @ weight int8 [N, K]^T -> exact int32 [M, N] (W8A8 accumulation)."""
     if not hasattr(torch, "_int_mm") or xq.device.type != "cpu":
