@@ -192,5 +192,5 @@ def test_metrics_are_exposed(server, client):
                  "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
                  "e2e_request_latency_seconds_count", "prefix_cache_hit_rate",
                  "kv_cache_blocks_used", "num_preemptions_total", "request_success_total",
-                 "request_cost_usd_total", "worker_ready"):
+                 "request_cost_usd_total", "worker_ready", "cpu_info"):
         assert f"kiln:{name}" in names, name

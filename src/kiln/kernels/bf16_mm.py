@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels import cpu
+from kiln.kernels.isa import kernel_tuning
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +21,8 @@ log = logging.getLogger(__name__)
 # `python benchmarks/cpu_bf16.py`, AVX2 EPYC): kernel vs widen + fp32 GEMM on 576x1536 is 98
 # vs 374 us at 2 tokens, 329 vs 548 at 16, 681 vs 1409 at 32, 1386 vs 1931 at 64; on 1536x576
 # the widened copy wins from 64 tokens (1864 vs 1717).
-BF16_GEMM_MAX_TOKENS = int(os.environ.get("KILN_BF16_GEMM_MAX_TOKENS", "32"))
+BF16_GEMM_MAX_TOKENS = int(os.environ.get("KILN_BF16_GEMM_MAX_TOKENS",
+                                          kernel_tuning().bf16_gemm_max_tokens))
 
 
 def onednn_available(dtype: torch.dtype) -> bool:
