@@ -347,8 +347,16 @@ void bf16_dp_tile(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_
     for (int m = 0; m < M; ++m) y[m * N + n0 + r] = sums[r * M + m];
 }
 
-// Blocks of R weight rows across threads; within a block, every tile of 4 tokens (then the
-// tail) passes over the rows while they sit in L1.
+// Blocks of R weight rows across threads (1 or 2 tokens: one tile per block). From 3 tokens,
+// blocks of 16 rows (18 KiB at K = 576) stay in L1 while each tile of 4 tokens (then the tail)
+// passes over their four groups of 4 rows, so x comes from L2 once per 16 rows, not per 4.
+template <int M>
+void bf16_dp_token_tile(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t n0,
+                        int64_t rows, int64_t N, int64_t K) {
+  for (int64_t g = 0; g < rows; g += 4)
+    bf16_dp_tile<M, 4>(x, w, y, n0 + g, std::min<int64_t>(4, rows - g), N, K);
+}
+
 template <int R>
 void bf16_dp_rows(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t M, int64_t N,
                   int64_t K) {
@@ -357,19 +365,19 @@ void bf16_dp_rows(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * R, rows = std::min<int64_t>(R, N - n0);
-      if constexpr (R == 16) {
+      if (M == 1) {
         bf16_dp_tile<1, 16>(x, w, y, n0, rows, N, K);
-      } else if constexpr (R == 8) {
+      } else if (M == 2) {
         bf16_dp_tile<2, 8>(x, w, y, n0, rows, N, K);
       } else {
         int64_t m0 = 0;
-        for (; m0 + 4 <= M; m0 += 4) bf16_dp_tile<4, 4>(x + m0 * K, w, y + m0 * N, n0, rows, N, K);
+        for (; m0 + 4 <= M; m0 += 4) bf16_dp_token_tile<4>(x + m0 * K, w, y + m0 * N, n0, rows, N, K);
         const at::BFloat16* xt = x + m0 * K;
         float* yt = y + m0 * N;
         switch (M - m0) {
-          case 3: bf16_dp_tile<3, 4>(xt, w, yt, n0, rows, N, K); break;
-          case 2: bf16_dp_tile<2, 4>(xt, w, yt, n0, rows, N, K); break;
-          case 1: bf16_dp_tile<1, 4>(xt, w, yt, n0, rows, N, K); break;
+          case 3: bf16_dp_token_tile<3>(xt, w, yt, n0, rows, N, K); break;
+          case 2: bf16_dp_token_tile<2>(xt, w, yt, n0, rows, N, K); break;
+          case 1: bf16_dp_token_tile<1>(xt, w, yt, n0, rows, N, K); break;
           default: break;
         }
       }
@@ -379,9 +387,8 @@ void bf16_dp_rows(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_
 
 void bf16_dp_mm(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t M, int64_t N,
                 int64_t K) {
-  if (M == 1) return bf16_dp_rows<16>(x, w, y, M, N, K);
   if (M == 2) return bf16_dp_rows<8>(x, w, y, M, N, K);
-  bf16_dp_rows<4>(x, w, y, M, N, K);
+  bf16_dp_rows<16>(x, w, y, M, N, K);
 }
 #else
 constexpr bool kBf16DotProducts = false;
