@@ -17,7 +17,7 @@ treats as a counter reset). Each server has its own registry (no process-global 
   kiln:kv_cache_blocks_used / _cached / _total, kiln:kv_cache_usage_ratio
   kiln:num_preemptions_total
   kiln:worker_ready (1/0), kiln:worker_restarts_total
-  kiln:cpu_info{model, isa, level}          1; this host's CPU and instruction sets (kiln.kernels.isa)
+  kiln:cpu_info{model, isa, level}          1; this host's CPU, its ISA comma-separated (kiln.kernels.isa)
   kiln:spec_decode_num_draft_tokens_total / _num_accepted_tokens_total / _num_verify_steps_total
                                             speculative decoding (mean accepted length =
                                             accepted / verify steps)
@@ -123,7 +123,7 @@ class ServeMetrics:
         isa = cpu_isa()
         Gauge("kiln:cpu_info", "This host's CPU: model, instruction sets, matmul level",
               ["model", "isa", "level"], registry=r).labels(
-            isa.model_name, " ".join(isa.extensions), isa.level).set(1)
+            isa.model_name, ",".join(isa.extensions), isa.level).set(1)
         r.register(EngineCollector(client))
         if hasattr(client, "counters"):  # a ClusterClient (kiln.cluster.cluster_client)
             r.register(ClusterCollector(client))
