@@ -4,7 +4,9 @@ A `Platform` answers every question that used to be asked of a kernel-set name a
 the device every tensor is created on, what dtype "auto" means there, which op implementations
 the model calls (the torch reference or kiln's fused C++ kernels), which attention backend the
 runner builds, and whether the runner may run the whole decoder stack as one fused call.
-`Platform.detect(model_config)` decides it from the config and what this machine can build.
+`Platform.detect(model_config)` decides it from the config and what this machine can build,
+and records the CPU's model and instruction sets (kiln.kernels.isa), which the runner logs
+once at start.
 
 A new device plugs in here: a `detect` branch that returns its device, its kernel set and the
 name of its attention backend (registered in kiln.runner.attention), with `fused_stack` off
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.config import ModelConfig
+from kiln.kernels.isa import CpuIsa, cpu_isa
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,8 @@ class Platform:
     # the runner may run every decoder layer as one `kiln::llama_stack` call
     # (kiln.runner.fused_stack) where the model's weights allow it
     fused_stack: bool
+    # the CPU's model and instruction sets (kiln.kernels.isa), read once per process
+    cpu: CpuIsa
 
     @classmethod
     def detect(cls, config: ModelConfig) -> Platform:
@@ -54,12 +59,13 @@ class Platform:
             attention = "cpu" if kernels is KernelSet.CPP else "torch"
         return cls(device=torch.device("cpu"), dtype=resolve_dtype(config.dtype),
                    kernels=kernels, attention_backend=attention,
-                   fused_stack=kernels is KernelSet.CPP and attention == "cpu")
+                   fused_stack=kernels is KernelSet.CPP and attention == "cpu", cpu=cpu_isa())
 
     def describe(self) -> str:
         return (f"device {self.device}, dtype {str(self.dtype).removeprefix('torch.')}, "
                 f"kernels {self.kernels.value}, attention {self.attention_backend}, "
-                f"fused decoder stack {'on' if self.fused_stack else 'off'}")
+                f"fused decoder stack {'on' if self.fused_stack else 'off'}, "
+                f"cpu {self.cpu.describe()}")
 
 
 def resolve_dtype(name: str) -> torch.dtype:

@@ -97,3 +97,32 @@ def test_bf16_fast_path_matches_reference_path(default_path):
     assert err["cpp"].mean() <= 1.25 * err["torch"].mean() + 0.005, err
     assert err["cpp"].max() <= 2 * err["torch"].max() + 0.05, err
     assert outs["cpp"][0] == outs["torch"][0] == outs["auto"][0]
+
+
+@pytest.fixture(scope="module")
+def fidelity(default_path):
+    """kiln's and HF's bf16-vs-fp32 figures on this machine (kiln.testing.fidelity): 42 short
+    questions, greedy, 16 tokens each, batched; KL over held-out text."""
+    from kiln.testing.fidelity import hf_fidelity, kiln_fidelity
+
+    return kiln_fidelity(default_path)[0], hf_fidelity(default_path)[0]
+
+
+def test_bf16_answers_agree_with_fp32_at_least_as_often_as_hfs(fidelity):
+    """The fast path's bf16 (fp32 logits from the LM head's fp32 sums) keeps fp32's greedy
+    answers at least as often as HF transformers' bf16 keeps HF's fp32 answers."""
+    kiln, hf = fidelity
+    assert kiln.questions >= 40
+    assert kiln.agreement >= hf.agreement, (kiln, hf)
+
+
+def test_bf16_next_token_kl_is_no_larger_than_hfs(fidelity):
+    kiln, hf = fidelity
+    assert kiln.mean_kl <= hf.mean_kl, (kiln, hf)
+
+
+def test_readme_example_answers_paris_in_bf16(fidelity):
+    from kiln.testing.fidelity import README_ANSWER
+
+    kiln, _ = fidelity
+    assert kiln.readme_answer == README_ANSWER

@@ -31,7 +31,7 @@ def layered_llm(tiny_ckpt):
     return llm
 
 
-def run(llm, monkeypatch, calls: list) -> list:
+def run(llm, monkeypatch, calls: list, prompts: list[list[int]] = PROMPTS) -> list:
     """Greedy with logprobs on fresh prompts, then again after their cached prefixes."""
     real = fused_stack.fused_stack
 
@@ -41,8 +41,8 @@ def run(llm, monkeypatch, calls: list) -> list:
 
     monkeypatch.setattr(fused_stack, "fused_stack", counted)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    outs += llm.generate([{"prompt_token_ids": p + [7, 8, 9]} for p in PROMPTS], params)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    outs += llm.generate([{"prompt_token_ids": p + [7, 8, 9]} for p in prompts], params)
     return [(o.outputs[0].token_ids, [[(t, lp.logprob) for t, lp in sorted(step.items())]
                                       for step in o.outputs[0].logprobs]) for o in outs]
 
@@ -139,7 +139,11 @@ def test_draft_trees_fuse_with_the_same_bits(tiny_ckpt, monkeypatch):
     monkeypatch.setattr(batch, "_place_tree", lambda item, *a: trees.append(
         item.num_draft_tokens) or real(item, *a))
     fused_calls, layer_calls = [], []
-    fused = run(fused_llm, monkeypatch, fused_calls)
-    layered = run(layered_llm, monkeypatch, layer_calls)
+    # every token of the tiny vocabulary twice, with different successors: whatever the
+    # model samples, its lookup finds two continuations (a tree)
+    vocab = fused_llm.engine.runner.model.arch.vocab_size
+    prompts = [*PROMPTS, list(range(3, vocab)) + list(range(vocab - 1, 2, -2))]
+    fused = run(fused_llm, monkeypatch, fused_calls, prompts)
+    layered = run(layered_llm, monkeypatch, layer_calls, prompts)
     assert layer_calls == [] and fused_calls and trees
     assert fused == layered

@@ -1,6 +1,6 @@
 """gemm.cpp: kiln's int8 weight-only matmul (`int8_gemv`, against dequantize-then-matmul) and
 its bf16-weight matmul (`bf16_gemm`, fp32 arithmetic for CPUs without bf16 instructions,
-against an exact matmul)."""
+against an exact matmul), and its fp32-output form for the LM head (`bf16_gemm_f32`)."""
 
 from __future__ import annotations
 
@@ -117,3 +117,44 @@ def test_bf16_gemm_token_does_not_depend_on_its_batch_or_the_thread_count():
         torch.set_num_threads(before)
     assert torch.equal(one, two) and torch.equal(one, alone)
     assert torch.equal(torch.ops.kiln.bf16_gemm(x[:3], w), one[:3])
+
+
+# -- bf16_gemm_f32 (the LM head: fp32 logits) --------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("k", "n"), [*SHAPES, (576, 4099)])
+def test_bf16_gemm_f32_writes_fp32_sums_never_rounded(dtype, k, n):
+    """fp32 outputs within fp32 summation error of the exact sum (no bf16 rounding: 2^-8 of
+    the value would fail the bound), at every token tile and tail (bf16 x runs the AVX512-BF16
+    dot products where the CPU has them, fp32 x the widening loop)."""
+    w = random_weight(k, n)
+    for m in (1, 2, 3, 4, 5, 7, 9, 19):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+        y = torch.ops.kiln.bf16_gemm_f32(x, w)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        ref = x.double() @ w.double().t()
+        magnitude = x.double().abs() @ w.double().abs().t()
+        assert ((y.double() - ref).abs() <= 1e-5 * magnitude).all()
+
+
+def test_bf16_gemm_f32_token_does_not_depend_on_its_batch_or_the_thread_count():
+    w = random_weight(576, 1030)
+    x = torch.randn(11, 576).bfloat16()
+    alone = torch.cat([torch.ops.kiln.bf16_gemm_f32(x[i:i + 1], w) for i in range(11)])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.kiln.bf16_gemm_f32(x, w)
+        torch.set_num_threads(2)
+        two = torch.ops.kiln.bf16_gemm_f32(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two) and torch.equal(one, alone)
+    for m in (2, 3, 6):
+        assert torch.equal(torch.ops.kiln.bf16_gemm_f32(x[:m], w), one[:m])
+
+
+def test_bf16_gemm_f32_refuses_a_bad_weight_dtype():
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.kiln.bf16_gemm_f32(torch.randn(2, 8), torch.randn(3, 8))

@@ -194,3 +194,4 @@ def test_metrics_are_exposed(server, client):
                  "kv_cache_blocks_used", "num_preemptions_total", "request_success_total",
                  "request_cost_usd_total", "worker_ready"):
         assert f"kiln:{name}" in names, name
+    assert 'kiln:cpu_info{isa="' in server.http().get("/metrics").text  # labels hold spaces

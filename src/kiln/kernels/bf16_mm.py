@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels import cpu
+from kiln.kernels.isa import kernel_tuning
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +21,8 @@ log = logging.getLogger(__name__)
 # `python benchmarks/cpu_bf16.py`, AVX2 EPYC): kernel vs widen + fp32 GEMM on 576x1536 is 98
 # vs 374 us at 2 tokens, 329 vs 548 at 16, 681 vs 1409 at 32, 1386 vs 1931 at 64; on 1536x576
 # the widened copy wins from 64 tokens (1864 vs 1717).
-BF16_GEMM_MAX_TOKENS = int(os.environ.get("KILN_BF16_GEMM_MAX_TOKENS", "32"))
+BF16_GEMM_MAX_TOKENS = int(os.environ.get("KILN_BF16_GEMM_MAX_TOKENS",
+                                          kernel_tuning().bf16_gemm_max_tokens))
 
 
 def onednn_available(dtype: torch.dtype) -> bool:
@@ -51,6 +53,15 @@ def widened_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.shape[0] <= BF16_GEMM_MAX_TOKENS:
         return _kernel(x, weight)
     return F.linear(x.float(), weight.float()).to(x.dtype)
+
+
+def bf16_linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight bf16 [N, K]^T as fp32 [M, N], from the fp32 sums, never rounded to
+    bf16 (the LM head's logits): kiln's `bf16_gemm_f32` (AVX512-BF16 dot products on bf16 x
+    where the CPU has them), else torch's matmul on widened copies (the reference)."""
+    if weight.dtype == torch.bfloat16 and x.device.type == "cpu" and cpu.load():
+        return torch.ops.kiln.bf16_gemm_f32(x, weight)
+    return F.linear(x.float(), weight.float())
 
 
 def _kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import os
 import torch
 
 from kiln.kernels import cpu
+from kiln.kernels.isa import kernel_tuning
 
 # When torch's int8 weight-only kernel pays off on CPU (measured on 576x1536 and 1536x576,
 # one thread, torch 2.13): with bf16 activations it is 3-10x faster than dequantize + matmul
@@ -40,7 +41,8 @@ def int8_weight_only_mm(x: torch.Tensor, weight: torch.Tensor,
 # of torch's int8 kernel up to 2 tokens, is on a par at 3-4 (fp32 FMAs bound it) and ahead
 # again at 6-8. fp32 activations have no other int8 kernel (dequantize + matmul is far slower).
 # KILN_INT8_GEMV_MAX_TOKENS=0 turns it off (the torch paths then serve).
-INT8_GEMV_MAX_TOKENS = int(os.environ.get("KILN_INT8_GEMV_MAX_TOKENS", "8"))
+INT8_GEMV_MAX_TOKENS = int(os.environ.get("KILN_INT8_GEMV_MAX_TOKENS",
+                                          kernel_tuning().int8_gemv_max_tokens))
 
 
 def int8_gemv_mm(x: torch.Tensor, weight: torch.Tensor,
@@ -51,6 +53,15 @@ def int8_gemv_mm(x: torch.Tensor, weight: torch.Tensor,
     if x.shape[0] > INT8_GEMV_MAX_TOKENS or x.device.type != "cpu" or not cpu.load():
         return None
     return torch.ops.kiln.int8_gemv(x, weight, scale)
+
+
+def int8_gemv_fp32(x: torch.Tensor, weight: torch.Tensor,
+                   scale: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] float @ (weight int8 [N, K] * scale [N, 1])^T -> fp32 [M, N] at any M (an LM
+    head's logits); None off-CPU or where the kiln kernels did not build."""
+    if x.device.type != "cpu" or not cpu.load():
+        return None
+    return torch.ops.kiln.int8_gemv(x.float(), weight, scale)
 
 
 def int8_int8_mm(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

@@ -20,6 +20,7 @@ def _list(_args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from kiln.kernels.isa import cpu_isa
     from kiln.models.default import default_entry
 
     entry = default_entry()
@@ -28,7 +29,10 @@ def _list(_args) -> int:
         table.add_column(col)
     status = "ready" if entry.present else "not pulled (kiln models pull)"
     table.add_row(entry.name + " (default)", status, str(entry.path), entry.source)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    isa = cpu_isa()  # what the models run on here: the kernels choose by it
+    console.print(f"cpu: {isa.describe()} (matmul level {isa.level})", highlight=False)
     return 0
 
 

@@ -180,4 +180,5 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """fp32 logits [N, V] from the LM head's fp32 sums (never rounded to the model dtype)."""
+        return self.lm_head.method.apply_fp32(self.lm_head, hidden)

@@ -106,9 +106,22 @@ def _method_chooser(hf_config: dict, quantization: str | None, dense: str = "den
         name = layer_formats.get(prefix)
         if name is None and quantization and prefix != "lm_head":
             name = quantization
+        if name in (None, "dense") and prefix == "lm_head":
+            return get_linear_method(_lm_head_dense(dense))
         return get_linear_method(dense if name in (None, "dense") else name)
 
     return method_for
+
+
+def _lm_head_dense(dense: str) -> str:
+    """The LM head keeps plain bf16 weights where the rest is oneDNN-packed: its logits come
+    from `apply_fp32` (fp32 sums written as fp32), which oneDNN's bf16 linear cannot produce;
+    kiln's bf16_gemm_f32 reads the plain weight (or torch's widened matmul without kernels)."""
+    if dense != "dense-onednn":
+        return dense
+    from kiln.kernels.bf16_mm import bf16_gemm_available
+
+    return "dense-bf16-fp32" if bf16_gemm_available(torch.bfloat16) else "dense"
 
 
 def _load_weights(model: nn.Module, path: Path) -> None:

@@ -44,6 +44,7 @@ from kiln.kernels.quant_mm import (
     int4_kernel_unpack,
     int4_scales_and_zeros,
     int4_weight_only_mm,
+    int8_gemv_fp32,
     int8_gemv_mm,
     int8_int8_mm,
     int8_weight_only_mm,
@@ -145,6 +146,11 @@ class QuantLinearMethod:
             y = y + layer.bias.to(y.dtype)
         return y if flat else y.reshape(*x.shape[:-1], layer.out_features)
 
+    def apply_fp32(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """`apply` on fp32 activations (bf16 ones widen exactly): fp32 outputs, never rounded
+        to the model dtype (a quantized LM head's logits)."""
+        return self.apply(layer, x.float())
+
     def matmul(self, layer: Linear, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, in] @ W^T -> [M, out]; the plain reference every speed path must match."""
         if self.act_quant:
@@ -207,6 +213,17 @@ class Int8LinearMethod(QuantLinearMethod):
         if y is None:
             y = int8_weight_only_mm(x2, layer.weight, layer.weight_scale)
         return self.dequantized_matmul(layer, x2) if y is None else y
+
+    def apply_fp32(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """Weight-only: kiln's int8 kernel at any token count (fp32 sums written as fp32,
+        the weights read once per 8 tokens), where the dequantized fp32 matmul would widen
+        every weight each call."""
+        if self.act_quant or x.dim() != 2:
+            return super().apply_fp32(layer, x)
+        y = int8_gemv_fp32(x, layer.weight, layer.weight_scale)
+        if y is None:
+            return super().apply_fp32(layer, x)
+        return y if layer.bias is None else y + layer.bias.float()
 
     def w8a8_matmul(self, layer: Linear, x2: torch.Tensor) -> torch.Tensor:
         xq = self.fmt.quantize(x2)  # per-token: weight int8 [M, in], weight_scale [M, 1]

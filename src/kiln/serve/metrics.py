@@ -17,6 +17,7 @@ treats as a counter reset). Each server has its own registry (no process-global 
   kiln:kv_cache_blocks_used / _cached / _total, kiln:kv_cache_usage_ratio
   kiln:num_preemptions_total
   kiln:worker_ready (1/0), kiln:worker_restarts_total
+  kiln:cpu_info{model, isa, level}          1; this host's CPU, its ISA comma-separated (kiln.kernels.isa)
   kiln:spec_decode_num_draft_tokens_total / _num_accepted_tokens_total / _num_verify_steps_total
                                             speculative decoding (mean accepted length =
                                             accepted / verify steps)
@@ -55,7 +56,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -66,6 +67,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.cluster.engine_client import EngineClient
+from kiln.kernels.isa import cpu_isa
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
@@ -121,6 +123,10 @@ class ServeMetrics:
         self.grammar_compile = Histogram("kiln:grammar_compile_seconds",
                                          "Grammar compile time (cache misses, gateway check)",
                                          buckets=GRAMMAR_BUCKETS, registry=r)
+        isa = cpu_isa()
+        Gauge("kiln:cpu_info", "This host's CPU: model, instruction sets, matmul level",
+              ["model", "isa", "level"], registry=r).labels(
+            isa.model_name, ",".join(isa.extensions), isa.level).set(1)
         r.register(EngineCollector(client))
         if hasattr(client, "counters"):  # a ClusterClient (kiln.cluster.cluster_client)
             r.register(ClusterCollector(client))

@@ -278,4 +278,146 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) {
 
 bool bf16_gemm_vectorized() { return kBf16GemmVectorized; }
 
+// -- bf16 weights to fp32 outputs (the LM head: logits are never rounded to bf16) -------------
+//
+// y[m, n] = sum_k x[m, k] w[n, k] in fp32, written as fp32: rounding logits to bf16 (spacing
+// 0.0625 at 10) ties a prompt's two best candidates as often as not. With AVX512-BF16 and bf16
+// x, 32 products per dot-product instruction (each exact in fp32, summed in fp32); otherwise x
+// widens to fp32 and the loop above runs with fp32 outputs. A block of R weight rows stays in
+// L1 while every token tile of x (in L2) passes over it, so the weights stream from memory
+// once at any token count. Every output is the same 16-lane sum in the same k order for any M,
+// R or thread count: a token's logits do not depend on its batch.
+namespace {
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kBf16DotProducts = true;
+
+// Lane j of the result = the sum of v[j]'s 16 lanes, for 16 vectors at once (a horizontal sum
+// each would cost more than the dot products at K = 576). Every lane goes through the same
+// tree: per 128-bit quarter (e0 + e2) + (e1 + e3), then (q0 + q1) + (q2 + q3).
+inline __m512 sum_lanes16(__m512 v0, __m512 v1, __m512 v2, __m512 v3, __m512 v4, __m512 v5,
+                          __m512 v6, __m512 v7, __m512 v8, __m512 v9, __m512 v10, __m512 v11,
+                          __m512 v12, __m512 v13, __m512 v14, __m512 v15) {
+  const __m512 v[16] = {v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15};
+  __m512 pair[8], quad[4];
+  for (int i = 0; i < 8; ++i)
+    pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                            _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(pair[2 * i]), b = _mm512_castps_pd(pair[2 * i + 1]);
+    quad[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                            _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 h01 = _mm512_add_ps(_mm512_shuffle_f32x4(quad[0], quad[1], 0x88),
+                                   _mm512_shuffle_f32x4(quad[0], quad[1], 0xDD));
+  const __m512 h23 = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2], quad[3], 0x88),
+                                   _mm512_shuffle_f32x4(quad[2], quad[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, 0x88),
+                       _mm512_shuffle_f32x4(h01, h23, 0xDD));
+}
+
+// y[m * N + n0 + r] = x[m] . w[n0 + r] for r < rows <= R, m < M (R * M <= 16 accumulators,
+// the unused ones zero); 32 bf16 per step, the K % 32 tail by masked loads (zeros add nothing).
+template <int M, int R>
+void bf16_dp_tile(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t n0,
+                  int64_t rows, int64_t N, int64_t K) {
+  static_assert(M * R <= 16, "16 accumulators");
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  const at::BFloat16* wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = w + (n0 + std::min<int64_t>(r, rows - 1)) * K;
+  // one loop, the tail's mask computed in it (a second copy of the body for the tail makes
+  // the compiler keep the accumulators in memory)
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 mask = k + 32 <= K ? ~__mmask32{0}
+                                       : static_cast<__mmask32>((uint64_t{1} << (K - k)) - 1);
+    __m512i xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = _mm512_maskz_loadu_epi16(mask, x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512i wv = _mm512_maskz_loadu_epi16(mask, wr[r] + k);
+      for (int m = 0; m < M; ++m)
+        acc[r * M + m] = _mm512_dpbf16_ps(acc[r * M + m], as_bh(wv), as_bh(xv[m]));
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, sum_lanes16(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6],
+                                    acc[7], acc[8], acc[9], acc[10], acc[11], acc[12], acc[13],
+                                    acc[14], acc[15]));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int m = 0; m < M; ++m) y[m * N + n0 + r] = sums[r * M + m];
+}
+
+// Blocks of R weight rows across threads (1 or 2 tokens: one tile per block). From 3 tokens,
+// blocks of 16 rows (18 KiB at K = 576) stay in L1 while each tile of 4 tokens (then the tail)
+// passes over their four groups of 4 rows, so x comes from L2 once per 16 rows, not per 4.
+template <int M>
+void bf16_dp_token_tile(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t n0,
+                        int64_t rows, int64_t N, int64_t K) {
+  for (int64_t g = 0; g < rows; g += 4)
+    bf16_dp_tile<M, 4>(x, w, y, n0 + g, std::min<int64_t>(4, rows - g), N, K);
+}
+
+template <int R>
+void bf16_dp_rows(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t M, int64_t N,
+                  int64_t K) {
+  const int64_t blocks = (N + R - 1) / R;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (R * K * 2));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * R, rows = std::min<int64_t>(R, N - n0);
+      if (M == 1) {
+        bf16_dp_tile<1, 16>(x, w, y, n0, rows, N, K);
+      } else if (M == 2) {
+        bf16_dp_tile<2, 8>(x, w, y, n0, rows, N, K);
+      } else {
+        int64_t m0 = 0;
+        for (; m0 + 4 <= M; m0 += 4) bf16_dp_token_tile<4>(x + m0 * K, w, y + m0 * N, n0, rows, N, K);
+        const at::BFloat16* xt = x + m0 * K;
+        float* yt = y + m0 * N;
+        switch (M - m0) {
+          case 3: bf16_dp_token_tile<3>(xt, w, yt, n0, rows, N, K); break;
+          case 2: bf16_dp_token_tile<2>(xt, w, yt, n0, rows, N, K); break;
+          case 1: bf16_dp_token_tile<1>(xt, w, yt, n0, rows, N, K); break;
+          default: break;
+        }
+      }
+    }
+  });
+}
+
+void bf16_dp_mm(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t M, int64_t N,
+                int64_t K) {
+  if (M == 2) return bf16_dp_rows<8>(x, w, y, M, N, K);
+  bf16_dp_rows<16>(x, w, y, M, N, K);
+}
+#else
+constexpr bool kBf16DotProducts = false;
+#endif
+
+}  // namespace
+
+at::Tensor bf16_gemm_f32(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "bf16_gemm_f32: x [M, K] and w [N, K] expected");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "bf16_gemm_f32: w must be bfloat16");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  auto wc = w.contiguous();
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (x.scalar_type() == at::kBFloat16) {
+    auto xc = x.contiguous();
+    bf16_dp_mm(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), y.data_ptr<float>(),
+               M, N, K);
+    return y;
+  }
+#endif
+  auto xf = x.to(at::kFloat).contiguous();
+  for (int64_t m0 = 0; m0 < M; m0 += kBf16TokenTile)
+    bf16_mm_tokens<float>(std::min(kBf16TokenTile, M - m0), xf.data_ptr<float>() + m0 * K,
+                          wc.data_ptr<at::BFloat16>(), y.data_ptr<float>() + m0 * N, N, K);
+  return y;
+}
+
+bool bf16_gemm_f32_dot_products() { return kBf16DotProducts; }
+
 }  // namespace kiln

@@ -44,6 +44,8 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w);
 bool bf16_gemm_vectorized();
+at::Tensor bf16_gemm_f32(const at::Tensor& x, const at::Tensor& w);
+bool bf16_gemm_f32_dot_products();
 
 // stack.cpp
 at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,

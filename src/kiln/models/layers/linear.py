@@ -14,7 +14,10 @@ Contract of a method, in lifecycle order:
   3. `finalize(layer)` runs once after every tensor is loaded (repacking, checks).
   4. `apply(layer, x)` maps [..., in_features] to [..., out_features]; it must not mutate
      `layer` and may be called from any step.
-  5. `stack_tensors(layer)` (after `finalize`): the layer's tensors as a fused decoder stack
+  5. `apply_fp32(layer, x)`: the same product as fp32, from the fp32 sums, never rounded to
+     the model dtype: the LM head's logits (a bf16 logit's spacing is 0.0625 at 10, enough to
+     tie a prompt's two best candidates and hand greedy decoding the wrong one).
+  6. `stack_tensors(layer)` (after `finalize`): the layer's tensors as a fused decoder stack
      reads them (kiln.runner.fused_stack), or None where that stack cannot run this layer;
      the stack then declines and the layers run one call each.
 
@@ -37,6 +40,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kiln.kernels.bf16_mm import bf16_linear_fp32
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,6 +66,8 @@ class LinearMethod(Protocol):
     def finalize(self, layer: Linear) -> None: ...
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
+
+    def apply_fp32(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
 
     def stack_tensors(self, layer: Linear) -> StackTensors | None: ...
 
@@ -124,6 +131,17 @@ class DenseLinearMethod:
 
     def apply(self, layer, x):
         return F.linear(x, layer.weight, layer.bias)
+
+    def apply_fp32(self, layer, x):
+        weight = self.dense_weight(layer)
+        if weight.dtype == torch.float32:
+            return F.linear(x.float(), weight, layer.bias)
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        out = bf16_linear_fp32(flat, weight) if weight.dtype == torch.bfloat16 else (
+            F.linear(flat.float(), weight.float()))
+        if layer.bias is not None:
+            out = out + layer.bias.float()
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
     def stack_tensors(self, layer) -> StackTensors | None:
         return None  # torch's matmul: the stack has no kernel for it

@@ -1,0 +1,58 @@
+"""isa.py: the CPU's model and instruction sets from /proc/cpuinfo, and the tuning table."""
+
+from __future__ import annotations
+
+from kiln.kernels import isa
+from kiln.kernels.isa import CpuIsa, KernelTuning, cpu_isa, kernel_tuning, parse_cpuinfo
+
+ZEN4 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC 9R14
+flags\t\t: fpu sse2 avx2 fma avx512f avx512bw avx512_bf16 avx512_vnni
+
+processor\t: 1
+vendor_id\t: SomethingElse
+"""
+SAPPHIRE_RAPIDS = """vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 143
+model name\t: Intel(R) Xeon(R) Platinum 8488C
+flags\t\t: avx2 avx512f avx512_vnni avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8
+"""
+AVX2_ONLY = "vendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 49\nflags\t\t: avx2 fma\n"
+
+
+def test_reads_the_first_processor_and_orders_extensions_best_first():
+    zen4 = parse_cpuinfo(ZEN4)
+    assert zen4 == CpuIsa("AMD EPYC 9R14", "AuthenticAMD", 25, 17,
+                          ("avx512-bf16", "avx512-vnni", "avx512f", "avx2"))
+    assert zen4.level == "avx512-bf16"
+    spr = parse_cpuinfo(SAPPHIRE_RAPIDS)
+    assert spr.extensions[:2] == ("amx-bf16", "amx-int8") and spr.level == "amx"
+    assert parse_cpuinfo(AVX2_ONLY).level == "avx2"
+    assert parse_cpuinfo("").level == "generic"
+    assert "family 25, model 17" in zen4.describe()
+
+
+def test_this_machine_is_read_once():
+    assert cpu_isa() is cpu_isa()
+    assert cpu_isa().level in ("amx", "avx512-bf16", "avx512", "avx2", "generic")
+
+
+def test_tuning_prefers_the_exact_model_then_the_level(monkeypatch):
+    zen4, spr = parse_cpuinfo(ZEN4), parse_cpuinfo(SAPPHIRE_RAPIDS)
+    assert kernel_tuning(zen4) == isa.DEFAULT_TUNING
+    by_model, by_level = KernelTuning(bf16_gemm_max_tokens=16), KernelTuning(int8_gemv_max_tokens=4)
+    monkeypatch.setattr(isa, "TUNINGS", {("AuthenticAMD", 25, 17): by_model, "amx": by_level})
+    assert kernel_tuning(zen4) is by_model and kernel_tuning(spr) is by_level
+    assert kernel_tuning(parse_cpuinfo(AVX2_ONLY)) == isa.DEFAULT_TUNING
+
+
+def test_the_platform_carries_it():
+    from kiln.config import ModelConfig
+    from kiln.platform import Platform
+
+    platform = Platform.detect(ModelConfig(model="unused", kernels="torch"))
+    assert platform.cpu is cpu_isa() and cpu_isa().model_name in platform.describe()
