@@ -19,7 +19,7 @@ import typing
 from collections.abc import Collection, Mapping
 from typing import Literal, TypeVar
 
-from kiln.config import field_doc, unwrap_optional
+from kiln.config_fields import field_doc, unwrap_optional
 
 T = TypeVar("T")
 FlagTarget = argparse.ArgumentParser | argparse._ArgumentGroup

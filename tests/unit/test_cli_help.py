@@ -22,9 +22,9 @@ from kiln.config import (
     SpeculativeConfig,
     StructuredConfig,
     WorkerConfig,
-    field_doc,
 )
 from kiln.config_cli import flag_fields, flag_name
+from kiln.config_fields import field_doc
 from kiln.serve.cli import PER_WORKER, configs
 
 ENGINE_CONFIGS = [ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, SpeculativeConfig,
