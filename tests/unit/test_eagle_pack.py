@@ -125,7 +125,7 @@ def test_draft_rows_attend_their_context_and_own_path(backend, width):
     torch.manual_seed(0)
     bs, hq, hkv, d, scale = 4, 4, 2, 8, 0.3
     attention = get_attention_backend(backend)
-    cache = HeadKV(10 * bs, hkv, d, torch.float32, bs)
+    cache = HeadKV(10 * bs, hkv, d, torch.float32, bs, torch.device("cpu"))
     for t in cache.kv:
         t.normal_()
     main = [t.clone() for t in cache.kv]

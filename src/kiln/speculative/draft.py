@@ -94,7 +94,7 @@ class DraftModelProposer:
                 or not all(type(i) is int and 0 <= i < n for i in ids)):
             raise ValueError(f"{meta}: draft_vocab must be a non-empty list of token ids "
                              f"below {n}")
-        ids = torch.tensor(ids)
+        ids = torch.tensor(ids, device=self.runner.device)
         return ids, packed_linear(lm_head_rows(self.runner.model, ids), self.int8)
 
     def propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]) -> list[Draft]:

@@ -84,7 +84,7 @@ def verify_shortlisted(shortlist: Shortlist, hidden: torch.Tensor, rows: list[Sa
         missing = sorted(set(visited) - exact.keys())
         if not missing:
             return tokens, paths
-        logits = logits_of(hidden[torch.tensor(missing)]).float()[:, :sampler.vocab_size]
+        logits = logits_of(hidden[torch.tensor(missing, device=hidden.device)]).float()[:, :sampler.vocab_size]
         chosen = sampler.process(logits, [rows[r] for r in missing]).argmax(dim=-1)
         exact.update(zip(missing, chosen.tolist(), strict=True))
 

@@ -51,7 +51,9 @@ class GrammarRows:
         unconstrained rows are all ones and never read."""
         if not self.entries:
             return None
-        bitmask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        # on the host: xgrammar's matchers fill it there (the sampler moves it)
+        shape = (len(rows), (self.vocab_size + 31) // 32)
+        bitmask = torch.full(shape, -1, dtype=torch.int32, device="cpu")
         batched = []
         for e in self.entries:
             for j in range(len(e.drafts) + 1):

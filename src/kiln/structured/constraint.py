@@ -143,7 +143,7 @@ class TokenConstraint:
         """Clear the banned tokens' bits in `row`, unless that would forbid everything."""
         if not self.banned:
             return
-        ids = torch.tensor(sorted(set(self.banned)), dtype=torch.int64)
+        ids = torch.tensor(sorted(set(self.banned)), dtype=torch.int64, device=bitmask.device)
         ids = ids[ids < bitmask.shape[1] * 32]
         words = bitmask[row].to(torch.int64) & 0xFFFFFFFF
         clear = torch.zeros_like(words).index_put_((ids // 32,), 1 << (ids % 32),

@@ -64,9 +64,10 @@ class Utf8Table:
     each leads to. Built once per vocabulary from its tokens' bytes."""
 
     def __init__(self, token_bytes: list[bytes], vocab_size: int):
-        words = (vocab_size + 31) // 32
-        self.next_state = torch.full((NUM_STATES, vocab_size), -1, dtype=torch.int8)
-        allowed = torch.zeros(NUM_STATES, words * 32, dtype=torch.bool)
+        words = (vocab_size + 31) // 32  # host tables: read per token, ANDed into host masks
+        shape = (NUM_STATES, vocab_size)
+        self.next_state = torch.full(shape, -1, dtype=torch.int8, device="cpu")
+        allowed = torch.zeros(NUM_STATES, words * 32, dtype=torch.bool, device="cpu")
         for token, data in enumerate(token_bytes[:vocab_size]):
             if data.isascii():  # the common case: only where a character may start
                 allowed[0, token] = True
@@ -79,7 +80,7 @@ class Utf8Table:
                     self.next_state[state, token] = after
         for token in range(len(token_bytes), vocab_size):  # padded ids: no bytes
             allowed[:, token] = True
-            self.next_state[:, token] = torch.arange(NUM_STATES, dtype=torch.int8)
+            self.next_state[:, token] = torch.arange(NUM_STATES, dtype=torch.int8, device="cpu")
         self.masks = _pack(allowed)  # [NUM_STATES, words] int32
 
     def advance(self, state: int, token: int) -> int | None:
@@ -90,5 +91,5 @@ class Utf8Table:
 def _pack(allowed: torch.Tensor) -> torch.Tensor:
     """[S, 32 W] bools -> [S, W] int32 words, bit j of word w = token 32w + j."""
     bits = allowed.view(allowed.shape[0], -1, 32).to(torch.int64)
-    words = (bits << torch.arange(32)).sum(-1)
+    words = (bits << torch.arange(32, device=bits.device)).sum(-1)
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)

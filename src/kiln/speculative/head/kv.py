@@ -19,9 +19,10 @@ class HeadKV:
     rows of a drafting round (`DraftRows`), grown as rounds need more."""
 
     def __init__(self, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 block_size: int):
+                 block_size: int, device: torch.device):
         self.block_size, self.main_blocks = block_size, slots // block_size
-        self.kv = tuple(torch.zeros(slots, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+        self.kv = tuple(torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device)
+                        for _ in range(2))
 
     def scratch(self, blocks: int) -> int:
         """The first of `blocks` consecutive scratch blocks (their contents are the
@@ -57,7 +58,7 @@ class DraftRows:
 
     def __init__(self, cache: HeadKV, ctx_len: torch.Tensor, tables: torch.Tensor,
                  rows_per_seq: int, width: int, steps: int, kernels: bool):
-        bs = cache.block_size
+        bs, device = cache.block_size, ctx_len.device
         blocks = (2 * bs - 2 + steps) // bs  # scratch blocks per row: ctx % bs + steps slots
         self.cache, self.kernels, self.span = cache, kernels, blocks * bs
         self.area_rows = len(ctx_len) * width
@@ -66,27 +67,28 @@ class DraftRows:
         # per sequence, a row's table less its scratch: context blocks, then the scratch
         # block's index among the row's own (own_mask 1 there)
         first = (ctx_len // bs)[:, None]
-        col = torch.arange(int(first.max()) + blocks)
+        col = torch.arange(int(first.max()) + blocks, device=device)
         own = col >= first
         context = tables[:, col.clamp(max=tables.shape[1] - 1)]
         self.table_base = torch.where(own, col - first, context)
         self.own_mask = own.long()
         self.area = 0
-        self._assign(torch.arange(len(ctx_len)).repeat_interleave(rows_per_seq))
+        self._assign(torch.arange(len(ctx_len), device=device).repeat_interleave(rows_per_seq))
         partial = tables.gather(1, first.clamp(max=tables.shape[1] - 1))[:, 0] * bs
-        offsets = torch.arange(bs)
+        offsets = torch.arange(bs, device=device)
         cache.copy_slots(partial[self.seq][:, None] + offsets,
                          self.row_slot[:, None] + offsets, kernels)
 
     def _assign(self, seq: torch.Tensor) -> None:
         """Rows of sequences `seq` ([n]), in order, on the current area."""
         n = len(seq)
-        self.seq, self.ctx, self.starts = seq, self.seq_ctx[seq], torch.arange(n)
+        self.seq, self.ctx = seq, self.seq_ctx[seq]
+        self.starts = torch.arange(n, device=seq.device)
         self.row_slot = self.base + (self.area * self.area_rows + self.starts) * self.span
         first_block = (self.row_slot // self.cache.block_size)[:, None]
         self.tables = self.table_base[seq] + self.own_mask[seq] * first_block
         self.slot0 = self.row_slot + self.offset[seq]  # the slot of position ctx
-        self.ones = torch.ones(n, dtype=torch.long)
+        self.ones = torch.ones(n, dtype=torch.long, device=seq.device)
 
     def layout(self, step: int) -> tuple[SeqLayout, torch.Tensor, torch.Tensor]:
         """Draft step `step` (0 = the round's first): each row one query token at position
@@ -100,5 +102,5 @@ class DraftRows:
         src = self.row_slot[rows]
         self.area = 1 - self.area
         self._assign(self.seq[rows])
-        span = torch.arange(self.span)
+        span = torch.arange(self.span, device=src.device)
         self.cache.copy_slots(src[:, None] + span, self.row_slot[:, None] + span, self.kernels)

@@ -92,10 +92,10 @@ class HeadLayer(nn.Module):
         super().__init__()
         h, q_size, kv_size = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.c = c
-        self.input_layernorm = nn.Parameter(torch.ones(h))
+        self.input_layernorm = nn.Parameter(torch.ones(h, device="cpu"))
         self.q_proj, self.o_proj = nn.Linear(h, q_size, bias=False), nn.Linear(q_size, h, False)
         self.k_proj, self.v_proj = nn.Linear(h, kv_size, bias=False), nn.Linear(h, kv_size, False)
-        self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h, device="cpu"))
         self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
@@ -136,8 +136,8 @@ class EagleHead(nn.Module):
         self.fuse = nn.Linear(n_feat * h, h, bias=False) if n_feat > 1 else None
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layer = HeadLayer(c)
-        self.norm = nn.Parameter(torch.ones(h))
-        ids = torch.arange(c.draft_vocab_size) if draft_vocab is None else draft_vocab
+        self.norm = nn.Parameter(torch.ones(h, device="cpu"))
+        ids = torch.arange(c.draft_vocab_size, device="cpu") if draft_vocab is None else draft_vocab
         self.register_buffer("draft_vocab", ids.to(torch.int64))  # [Vd] target ids
 
     def features(self, target_features: torch.Tensor) -> torch.Tensor:

@@ -112,7 +112,7 @@ class HeadProposer:
             raise ValueError(f"head {config.model} was trained for a model with hidden "
                              f"size {c.hidden_size} and vocabulary {c.vocab_size}; the "
                              f"target has {arch.hidden_size} and {arch.vocab_size}")
-        self.target, self.block_size = runner, ctx.cache.block_size
+        self.target, self.block_size, self.device = runner, ctx.cache.block_size, runner.device
         self.min_prob, self.tree_size = config.tree_min_prob or None, config.tree_size
         self.embed = model.model.embed_tokens
         self.lm = packed_linear(lm_head_rows(model, self.head.draft_vocab), config.speculator_int8)
@@ -123,7 +123,7 @@ class HeadProposer:
         self.tap = FeatureTap(model, c.feature_layers)
         self.paged, self.scale = runner.backend, c.head_dim ** -0.5  # the target's kernels
         self.cache = HeadKV(runner.kv_caches[0][0].shape[0], c.num_kv_heads, c.head_dim,
-                            runner.dtype, self.block_size)
+                            runner.dtype, self.block_size, runner.device)
         self.kernels = runner.platform.kernels is KernelSet.CPP
         # the layer in one C++ call (as the target's own layers), where it is packed for it:
         # per weight set, (most rows, its tensor arguments, plain bf16)
@@ -175,8 +175,8 @@ class HeadProposer:
         slots = []
         for rid in request_ids:
             p = self.pending.pop(rid)
-            pos = torch.arange(p.start, p.end)
-            blocks = torch.tensor(p.item.block_ids)[pos // self.block_size]
+            pos = torch.arange(p.start, p.end, device=self.device)
+            blocks = torch.tensor(p.item.block_ids, device=self.device)[pos // self.block_size]
             slots.append(blocks * self.block_size + pos % self.block_size)
         if slots:
             index = torch.cat(slots)
@@ -192,10 +192,11 @@ class HeadProposer:
             return
         starts = step.batch.layout.query_start
         if all(n == 1 for _, _, n in spans):  # decode steps: one position per request
-            flat = starts[torch.tensor([i for i, _, _ in spans])]
+            flat = starts[torch.tensor([i for i, _, _ in spans], device=starts.device)]
             chunks = self.tap.features(step.hidden, step.physical(flat))[:, None].unbind()
         else:
-            flat = torch.cat([torch.arange(n) + int(starts[i]) for i, _, n in spans])
+            flat = torch.cat([torch.arange(n, device=starts.device) + int(starts[i])
+                              for i, _, n in spans])
             chunks = self.tap.features(step.hidden, step.physical(flat)).split(
                 [n for _, _, n in spans])
         for (_, item, _), chunk in zip(spans, chunks, strict=True):
@@ -215,15 +216,17 @@ class HeadProposer:
         entries = [(rid, p) for rid, p in entries if p.feats]
         if not entries:
             return {}
-        lens = torch.tensor([p.end - p.start for _, p in entries])
-        positions = torch.cat([torch.arange(p.start, p.end) for _, p in entries])
-        tokens = torch.tensor([t for _, p in entries  # the token after each position
-                               for t in token_slice(p.item, p.start + 1, p.end + 1)])
+        device = self.device
+        lens = torch.tensor([p.end - p.start for _, p in entries], device=device)
+        positions = torch.cat([torch.arange(p.start, p.end, device=device) for _, p in entries])
+        after = [t for _, p in entries  # the token after each position
+                 for t in token_slice(p.item, p.start + 1, p.end + 1)]
+        tokens = torch.tensor(after, device=device)
         width = max(len(p.item.block_ids) for _, p in entries)
-        rows = torch.tensor([p.item.block_ids + [0] * (width - len(p.item.block_ids))
-                             for _, p in entries])
+        tables = [p.item.block_ids + [0] * (width - len(p.item.block_ids)) for _, p in entries]
+        rows = torch.tensor(tables, device=device)
         layout = SeqLayout(torch.cumsum(lens, 0) - lens, lens,
-                           torch.tensor([p.start for _, p in entries]), rows)
+                           torch.tensor([p.start for _, p in entries], device=device), rows)
         meta = self.paged.build_metadata(layout, positions, self.block_size)
         g = self.head.features(torch.cat([f for _, p in entries for f in p.feats]))
         h, normed = self._forward(g, tokens, positions, meta)
@@ -241,7 +244,7 @@ class HeadProposer:
         rows = [last[wanted[i].request.request_id] for i in live]
         h = torch.stack([r[0] for r in rows])
         normed = torch.stack([r[1] for r in rows])
-        ctx_len = torch.tensor([r[2] for r in rows])
+        ctx_len = torch.tensor([r[2] for r in rows], device=self.device)
         tables = torch.stack([r[3] for r in rows])
         k = max(wanted[i].max_drafts for i in live)
         width = max(wanted[i].tree_width for i in live)
@@ -309,7 +312,7 @@ class HeadProposer:
             if next_live == 0:
                 break
             score, best = cand.topk(next_live, dim=-1)  # the next beams, likeliest first
-            kept = (torch.arange(b)[:, None] * live + best // width).reshape(-1)
+            kept = (torch.arange(b, device=best.device)[:, None] * live + best // width).reshape(-1)
             h = h[kept]
             rows.reorder(kept)
             fed = child.gather(1, best).reshape(-1)
