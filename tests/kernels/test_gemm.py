@@ -103,20 +103,26 @@ def test_bf16_gemm_takes_a_strided_input_and_refuses_a_bad_weight_dtype():
         torch.ops.kiln.bf16_gemm(x, w.float())
 
 
-def test_bf16_gemm_token_does_not_depend_on_its_batch_or_the_thread_count():
-    w = random_weight(576, 1536)
-    x = torch.randn(8, 576).bfloat16()
-    alone = torch.cat([torch.ops.kiln.bf16_gemm(x[i:i + 1], w) for i in range(8)])
+@pytest.mark.parametrize(("op", "n", "tokens", "prefixes"), [
+    ("bf16_gemm", 1536, 8, (3,)),
+    ("bf16_gemm_f32", 1030, 11, (2, 3, 6)),  # the LM head: fp32 logits
+])
+def test_a_token_does_not_depend_on_its_batch_or_the_thread_count(op, n, tokens, prefixes):
+    gemm = getattr(torch.ops.kiln, op)
+    w = random_weight(576, n)
+    x = torch.randn(tokens, 576).bfloat16()
+    alone = torch.cat([gemm(x[i:i + 1], w) for i in range(tokens)])
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = torch.ops.kiln.bf16_gemm(x, w)
+        one = gemm(x, w)
         torch.set_num_threads(2)
-        two = torch.ops.kiln.bf16_gemm(x, w)
+        two = gemm(x, w)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two) and torch.equal(one, alone)
-    assert torch.equal(torch.ops.kiln.bf16_gemm(x[:3], w), one[:3])
+    for m in prefixes:
+        assert torch.equal(gemm(x[:m], w), one[:m])
 
 
 # -- bf16_gemm_f32 (the LM head: fp32 logits) --------------------------------------------------
@@ -137,22 +143,6 @@ def test_bf16_gemm_f32_writes_fp32_sums_never_rounded(dtype, k, n):
         magnitude = x.double().abs() @ w.double().abs().t()
         assert ((y.double() - ref).abs() <= 1e-5 * magnitude).all()
 
-
-def test_bf16_gemm_f32_token_does_not_depend_on_its_batch_or_the_thread_count():
-    w = random_weight(576, 1030)
-    x = torch.randn(11, 576).bfloat16()
-    alone = torch.cat([torch.ops.kiln.bf16_gemm_f32(x[i:i + 1], w) for i in range(11)])
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = torch.ops.kiln.bf16_gemm_f32(x, w)
-        torch.set_num_threads(2)
-        two = torch.ops.kiln.bf16_gemm_f32(x, w)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(one, two) and torch.equal(one, alone)
-    for m in (2, 3, 6):
-        assert torch.equal(torch.ops.kiln.bf16_gemm_f32(x[:m], w), one[:m])
 
 
 def test_bf16_gemm_f32_refuses_a_bad_weight_dtype():

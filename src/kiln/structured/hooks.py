@@ -27,7 +27,7 @@ from kiln.structured.compiler import GrammarCompiler
 from kiln.structured.constraint import TokenConstraint
 from kiln.structured.grammar_spec import GrammarError, GrammarSpec, grammar_spec
 from kiln.structured.guard import GuardState, guard_settings
-from kiln.structured.json_limits import JsonShape, limits_for_schema
+from kiln.structured.json_limits import Breach, JsonShape, limits_for_schema
 from kiln.structured.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
@@ -105,9 +105,11 @@ class StructuredHooks:
         if constraint is not None:
             constraint.banned = []
         status = None
+        ahead = None  # the output's JSON shape with `token`, worked out once per token
         if request.guard is not None and token not in banned:  # a ban the grammar overruled
             loops = self._trips(request, token)
-            masked = self._intervene(request, token, banned, loops)
+            ahead, breach = self._json_ahead(request, token)
+            masked = self._intervene(request, token, banned, loops, breach)
             if masked is not None:
                 return masked
             if loops:
@@ -122,27 +124,40 @@ class StructuredHooks:
                 request.stop_reason = f"the grammar rejected token {token}"
                 return TokenCheck(status=RequestStatus.FINISHED_ERROR)
             if request.guard is not None and request.guard.json is not None:
-                request.guard.json.feed(self._vocab.text(token))
+                if ahead is None:
+                    ahead = request.guard.json
+                    ahead.feed(self._vocab.text(token))
+                request.guard.json = ahead
             if status is None and constraint.terminated:
                 status = RequestStatus.FINISHED_STOPPED
         return TokenCheck(status=status) if status is not None else KEEP
 
-    def _intervene(self, request: Request, token: int, banned: list[int],
-                   loops: bool) -> TokenCheck | None:
+    def _json_ahead(self, request: Request, token: int) -> tuple[JsonShape | None,
+                                                                  tuple[Breach, str] | None]:
+        """In a grammar-constrained request with JSON limits: the JSON shape after `token` (a
+        fork: the request's own shape moves only once the token is kept) and the bound it
+        breaks, if any; (None, None) otherwise."""
+        constraint, guard = request.grammar, request.guard
+        if (constraint is None or constraint.matcher is None or self._vocab is None
+                or guard.json is None):
+            return None, None
+        ahead = guard.json.fork()
+        return ahead, ahead.feed(self._vocab.text(token))
+
+    def _intervene(self, request: Request, token: int, banned: list[int], loops: bool,
+                   breach: tuple[Breach, str] | None) -> TokenCheck | None:
         """In a grammar-constrained request, REDRAW with `token` banned (and the tokens that
-        would do the same) when it would break a JSON limit or continue a loop (`loops`: the
-        guard tripped), so the grammar's other continuations win and the output ends valid;
-        None otherwise."""
+        would do the same) when it would break a JSON limit (`breach`) or continue a loop
+        (`loops`: the guard tripped), so the grammar's other continuations win and the output
+        ends valid; None otherwise."""
         constraint, guard = request.grammar, request.guard
         if constraint is None or constraint.matcher is None or self._vocab is None:
             return None
         ban = None
-        if guard.json is not None:
-            breach = guard.json.fork().feed(self._vocab.text(token))
-            if breach is not None:
-                starts = breach[0].banned_starts(breach[1])
-                ban = [token] + (self._vocab.starting_with(starts) if starts else
-                                 self._vocab.not_closing_string())
+        if breach is not None:
+            starts = breach[0].banned_starts(breach[1])
+            ban = [token] + (self._vocab.starting_with(starts) if starts else
+                             self._vocab.not_closing_string())
         if ban is None and loops:
             ban = [token]
             if guard.json is not None and guard.json.in_string and \
