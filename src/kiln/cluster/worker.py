@@ -60,7 +60,7 @@ from kiln.cluster.messages import (
     worker_identity,
 )
 from kiln.cluster.worker_kv import WorkerKV
-from kiln.config import WorkerConfig, default_num_threads
+from kiln.config import WorkerConfig
 from kiln.engine.core import EngineCore, EngineRequest
 from kiln.engine.limits import RequestError
 
@@ -340,13 +340,11 @@ def spawn_worker(config: WorkerConfig, incarnation: int) -> WorkerProcess:
     """Start `python -m kiln.cluster.worker` with `config`; returns at once (it loads async).
     OpenMP keeps its default wait policy (spin briefly, then sleep): PASSIVE (sleep at once)
     halved batch-1 decode on a 2-core machine, since every op then waits for threads to wake.
-    A worker that takes every core gets one OpenMP thread pinned per core (+7-10% decode,
-    prefill and throughput here); workers that split the cores are left unpinned."""
+    Threads are left unpinned unless the environment pins them: a pinned main thread passes
+    its one core to every thread it starts later (ZMQ's I/O thread, the grammar compiler's
+    pool), which then preempt OpenMP thread 0 while the others spin at the barrier, and the
+    gateway and clients share the cores too (docs/decisions/0012)."""
     env = dict(os.environ)
-    threads = config.engine.parallel.num_threads
-    if threads is None or threads >= default_num_threads():
-        env.setdefault("OMP_PROC_BIND", "close")
-        env.setdefault("OMP_PLACES", "cores")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     cmd = [sys.executable, "-m", "kiln.cluster.worker", "--config-json",
            msgspec.json.encode(config).decode(), "--incarnation", str(incarnation)]
