@@ -42,10 +42,11 @@ class ModelConfig:
         none_means="the checkpoint's weights as stored"))
     attention_backend: str = field(default="auto", metadata=doc(
         "a registered attention backend: auto (cpu kernels where they build), torch, cpu"))
-    linear_backend: Literal["auto", "onednn", "bf16-fp32", "torch"] = field(
+    linear_backend: Literal["auto", "vnni", "onednn", "bf16-fp32", "torch"] = field(
         default="auto", metadata=doc(
-            "dense matmuls; auto: oneDNN prepacked bf16 where it runs, else bf16-fp32 (kiln's "
-            "kernel widening bf16 weights to fp32) where the CPU has it, else torch"))
+            "dense matmuls; auto: vnni (kiln's kernel on weights packed for AVX512-BF16 dot "
+            "products) on such CPUs without AMX, else oneDNN prepacked bf16 where it runs, else "
+            "bf16-fp32 (kiln's kernel widening bf16 weights to fp32), else torch"))
     kernels: Literal["auto", "torch", "cpp"] = field(default="auto", metadata=doc(
         "fused C++ CPU ops: auto (where they build), torch (the reference), cpp"))
 

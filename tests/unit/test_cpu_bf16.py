@@ -44,9 +44,16 @@ def test_linear_method_serves_few_tokens_by_kernel_and_more_by_widening(monkeypa
 
 
 def test_auto_picks_it_only_where_onednn_cannot_run(monkeypatch):
+    from kiln.kernels import bf16_vnni
+
     assert loader.dense_method(torch.float32) == "dense"
     assert loader.dense_method(torch.bfloat16, "torch") == "dense"
     assert loader.dense_method(torch.bfloat16, "bf16-fp32") == "dense-bf16-fp32"
+    monkeypatch.setattr(bf16_vnni, "vnni_available", lambda: True)
+    assert loader.dense_method(torch.bfloat16) in ("dense-vnni", "dense-onednn")  # AMX: oneDNN
+    monkeypatch.setattr(bf16_vnni, "vnni_available", lambda: False)
+    with pytest.raises(ValueError, match="vnni needs bf16 weights and a CPU with AVX512-BF16"):
+        loader.dense_method(torch.bfloat16, "vnni")
     monkeypatch.setattr(bf16_mm, "onednn_available", lambda dtype: False)
     assert loader.dense_method(torch.bfloat16) == "dense-bf16-fp32"
     monkeypatch.setattr(bf16_mm, "onednn_available", lambda dtype: True)

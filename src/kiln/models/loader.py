@@ -18,6 +18,7 @@ from torch import nn
 
 import kiln.models.layers.cpu_bf16  # noqa: F401  (registers dense-bf16-fp32)
 import kiln.models.layers.onednn  # noqa: F401  (registers dense-onednn)
+import kiln.models.layers.vnni  # noqa: F401  (registers dense-vnni)
 from kiln.models.layers.linear import Linear, LinearMethod, get_linear_method
 from kiln.models.registry import resolve_architecture
 
@@ -76,9 +77,12 @@ def load_model(path: str | Path, dtype: torch.dtype, backend,
 
 
 def dense_method(dtype: torch.dtype, linear_backend: str = "auto") -> str:
-    """The dense weight format: oneDNN-prepacked bf16 where it runs, else bf16 weights with
-    fp32 arithmetic in kiln's kernel (CPUs without bf16 instructions), else plain torch."""
+    """The dense weight format: kiln's VNNI-packed bf16 on AVX512-BF16 CPUs without AMX
+    (docs/decisions/0013), oneDNN-prepacked bf16 where that runs, else bf16 weights with fp32
+    arithmetic in kiln's kernel (CPUs without bf16 instructions), else plain torch."""
     from kiln.kernels.bf16_mm import bf16_gemm_available, onednn_available
+    from kiln.kernels.bf16_vnni import vnni_available
+    from kiln.kernels.isa import cpu_isa
 
     if linear_backend == "torch":
         return "dense"
@@ -87,6 +91,15 @@ def dense_method(dtype: torch.dtype, linear_backend: str = "auto") -> str:
             raise ValueError(f"linear_backend bf16-fp32 needs bf16 weights and kiln's CPU "
                              f"kernels; dtype is {dtype}")
         return "dense-bf16-fp32"
+    vnni = dtype == torch.bfloat16 and vnni_available()
+    if linear_backend == "vnni":
+        if not vnni:
+            raise ValueError(f"linear_backend vnni needs bf16 weights and a CPU with "
+                             f"AVX512-BF16 (kiln's kernels); dtype is {dtype}, CPU "
+                             f"{cpu_isa().describe()}")
+        return "dense-vnni"
+    if linear_backend == "auto" and vnni and cpu_isa().level != "amx":
+        return "dense-vnni"
     if onednn_available(dtype):
         return "dense-onednn"
     if linear_backend == "onednn":
@@ -114,10 +127,11 @@ def _method_chooser(hf_config: dict, quantization: str | None, dense: str = "den
 
 
 def _lm_head_dense(dense: str) -> str:
-    """The LM head keeps plain bf16 weights where the rest is oneDNN-packed: its logits come
+    """The LM head keeps plain bf16 weights where the rest is packed (oneDNN or VNNI; a tied
+    head shares its plain weight with the embedding): its logits come
     from `apply_fp32` (fp32 sums written as fp32), which oneDNN's bf16 linear cannot produce;
     kiln's bf16_gemm_f32 reads the plain weight (or torch's widened matmul without kernels)."""
-    if dense != "dense-onednn":
+    if dense not in ("dense-onednn", "dense-vnni"):
         return dense
     from kiln.kernels.bf16_mm import bf16_gemm_available
 

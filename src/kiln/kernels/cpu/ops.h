@@ -47,6 +47,11 @@ bool bf16_gemm_vectorized();
 at::Tensor bf16_gemm_f32(const at::Tensor& x, const at::Tensor& w);
 bool bf16_gemm_f32_dot_products();
 
+// gemm_vnni.cpp: bf16 x [M, K] times VNNI-packed bf16 W [N/16, K/2, 16, 2] -> [M, n] in bf16
+// (rounded once) or fp32; torch reference x.float() @ W.float().T
+at::Tensor bf16_vnni_mm(const at::Tensor& x, const at::Tensor& w, int64_t n, bool fp32_out);
+bool bf16_vnni_available();
+
 // stack.cpp
 at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
                        at::TensorList input_norm, at::TensorList qkv_proj,

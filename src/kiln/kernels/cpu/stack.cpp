@@ -1,12 +1,13 @@
 // The whole decoder stack of a Llama-family model in one call.
 //
 // The same ops, in the same order and with the same roundings, as LlamaDecoderLayer.forward on
-// kiln's fast path (fused norms, oneDNN-prepacked bf16 linears, in-place rotary, the cpu
-// attention backend), for every layer, without returning to Python in between: at batch 1 the
-// ~20 Python-level calls per layer cost more than the layer's norms, rotary and attention
-// together. Linears are oneDNN bf16, or kiln's int8 GEMV or bf16_gemm (both on decode-sized
-// steps). Used only where the model has no hooks, biases or q/k norms (LlamaForCausalLM
-// decides); its result is bit-identical to the per-layer path, which the tests check.
+// kiln's fast path (fused norms, packed bf16 linears, in-place rotary, the cpu attention
+// backend), for every layer, without returning to Python in between: at batch 1 the ~20
+// Python-level calls per layer cost more than the layer's norms, rotary and attention
+// together. Linears are kiln's VNNI-packed bf16, oneDNN bf16, or kiln's int8 GEMV or bf16_gemm
+// (both on decode-sized steps). Used only where the model has no hooks, biases or q/k norms
+// (LlamaForCausalLM decides); its result is bit-identical to the per-layer path, which the
+// tests check.
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -26,11 +27,13 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
 }
 
 // Layer l of one projection: int8 weights with per-row scales through int8_gemv where the
-// layer has a scale, else bf16 weights: plain ones through bf16_gemm (fp32 arithmetic, CPUs
-// without bf16 instructions) where plain_bf16, oneDNN-prepacked ones otherwise.
+// layer has a scale, else bf16 weights: VNNI-packed ones (4-D) through bf16_vnni_mm, plain
+// ones through bf16_gemm (fp32 arithmetic, CPUs without bf16 instructions) where plain_bf16,
+// oneDNN-prepacked ones otherwise.
 at::Tensor stack_linear(const at::Tensor& x, at::TensorList weights, at::TensorList scales,
                         int64_t l, bool plain_bf16) {
   if (!scales.empty() && scales[l].numel() > 0) return int8_gemv(x, weights[l], scales[l]);
+  if (weights[l].dim() == 4) return bf16_vnni_mm(x, weights[l], weights[l].size(0) * 16, false);
   if (plain_bf16) return bf16_gemm(x, weights[l]);
   return onednn_linear(x, weights[l]);
 }

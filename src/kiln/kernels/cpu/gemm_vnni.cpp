@@ -1,0 +1,146 @@
+// bf16 linears on weights packed for the AVX512-BF16 dot-product instruction, at every M.
+//
+// Layout ("VNNI-packed"): W [N, K] is stored as [N / 16][K / 2][16][2]: for each block of 16
+// output rows, the k-pairs in order, each pair of the 16 rows side by side (64 bytes). One
+// `vdpbf16ps` multiplies a 64-byte line of that layout by one broadcast pair of x and adds to
+// 16 outputs at once, so a block streams from memory as one sequential run (a GEMV reads the
+// weights front to back; the row-major kernels keep 16 rows in flight and reached ~0.6 of the
+// bandwidth here) and no horizontal sums are needed. Tiles of up to 8 tokens x 4 blocks keep
+// their accumulators in registers; the same tiles serve decode (bandwidth) and prefill
+// (compute). Torch reference: x.float() @ W.float().T (each product exact in fp32, summed in
+// fp32), rounded once to bf16 or written as fp32.
+//
+// Every output is the sum over k-pairs in order, from zero, of the same instruction: a token's
+// result does not depend on M, the tile or the thread count (batch invariance, tested).
+#include <ATen/ops/constant_pad_nd.h>
+
+#include "ops.h"
+
+namespace kiln {
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+namespace {
+
+constexpr int64_t kBlock = 16;  // output rows per block: one 512-bit vector of fp32 sums
+
+// y[m, n0 + 16 v + i] for m < MT, v < NV: x rows of P int32 (bf16 pairs), `blocks` NV blocks
+// of the packed weight (each P * 32 bf16), the block's valid rows `valid` (16 except in the
+// last block of N % 16 != 0).
+template <int MT, int NV, typename Out>
+inline void vnni_tile(const int32_t* x, int64_t P, const at::BFloat16* w, Out* y, int64_t N,
+                      int64_t n0) {
+  __m512 acc[MT][NV];
+  for (int m = 0; m < MT; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
+  const int64_t stride = P * 2 * kBlock;
+  for (int64_t p = 0; p < P; ++p) {
+    __m512i wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(w + v * stride + p * 2 * kBlock);
+    for (int m = 0; m < MT; ++m) {
+      const __m512i xb = _mm512_set1_epi32(x[m * P + p]);
+      for (int v = 0; v < NV; ++v)
+        acc[m][v] = _mm512_dpbf16_ps(acc[m][v], as_bh(wv[v]), as_bh(xb));
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t n = n0 + v * kBlock;
+    const int64_t rows = std::min<int64_t>(kBlock, N - n);
+    const __mmask16 mask = rows >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
+    for (int m = 0; m < MT; ++m) {
+      if constexpr (std::is_same_v<Out, float>) {
+        _mm512_mask_storeu_ps(y + m * N + n, mask, acc[m][v]);
+      } else {  // round to nearest even, as torch's float -> bfloat16
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(acc[m][v]);
+        _mm256_mask_storeu_epi16(y + m * N + n, mask, h);
+      }
+    }
+  }
+}
+
+// Every token tile of x against NV blocks starting at block b.
+template <int NV, typename Out>
+void vnni_panel(const int32_t* x, int64_t M, int64_t P, const at::BFloat16* w, int64_t b,
+                Out* y, int64_t N) {
+  const at::BFloat16* wb = w + b * P * 2 * kBlock;
+  const int64_t n0 = b * kBlock;
+  int64_t m = 0;
+  if constexpr (NV <= 3) {  // 8 x 3 accumulators + 3 weights + 1 broadcast of 32 registers
+    for (; m + 8 <= M; m += 8) vnni_tile<8, NV>(x + m * P, P, wb, y + m * N, N, n0);
+  }
+  for (; m + 4 <= M; m += 4) vnni_tile<4, NV>(x + m * P, P, wb, y + m * N, N, n0);
+  if (m + 2 <= M) {
+    vnni_tile<2, NV>(x + m * P, P, wb, y + m * N, N, n0);
+    m += 2;
+  }
+  if (m < M) vnni_tile<1, NV>(x + m * P, P, wb, y + m * N, N, n0);
+}
+
+// Panels of NV blocks across threads; the last, narrower panel by a smaller NV.
+template <int NV, typename Out>
+void vnni_mm(const int32_t* x, int64_t M, int64_t P, const at::BFloat16* w, int64_t blocks,
+             Out* y, int64_t N) {
+  const int64_t full = blocks / NV, rest = blocks % NV;
+  at::parallel_for(0, full + (rest > 0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (i < full) {
+        vnni_panel<NV, Out>(x, M, P, w, i * NV, y, N);
+      } else if (rest == 1) {
+        vnni_panel<1, Out>(x, M, P, w, full * NV, y, N);
+      } else if (rest == 2) {
+        vnni_panel<2, Out>(x, M, P, w, full * NV, y, N);
+      } else {
+        vnni_panel<3, Out>(x, M, P, w, full * NV, y, N);
+      }
+    }
+  });
+}
+
+template <typename Out>
+void vnni_dispatch(const int32_t* x, int64_t M, int64_t P, const at::BFloat16* w,
+                   int64_t blocks, Out* y, int64_t N) {
+  // 4 blocks per panel while tiles are at most 4 tokens (decode, verify); 3 from 8 tokens,
+  // where an 8-token tile needs 24 accumulators
+  if (M < 8) return vnni_mm<4, Out>(x, M, P, w, blocks, y, N);
+  vnni_mm<3, Out>(x, M, P, w, blocks, y, N);
+}
+
+}  // namespace
+#endif
+
+at::Tensor bf16_vnni_mm(const at::Tensor& x, const at::Tensor& w, int64_t n, bool fp32_out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "bf16_vnni_mm: x must be bfloat16 [M, K]");
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == 16 && w.size(3) == 2 &&
+                  w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
+              "bf16_vnni_mm: w must be VNNI-packed bfloat16 [N/16, K/2, 16, 2]");
+  const int64_t M = x.size(0), K = x.size(1), P = w.size(1), blocks = w.size(0);
+  TORCH_CHECK(P == (K + 1) / 2, "bf16_vnni_mm: x has ", K, " features, w packs ", 2 * P);
+  TORCH_CHECK(n > (blocks - 1) * 16 && n <= blocks * 16, "bf16_vnni_mm: ", n,
+              " outputs do not fit ", blocks, " blocks of 16");
+  auto y = at::empty({M, n}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  at::Tensor xc = x.contiguous();
+  if (K % 2) xc = at::constant_pad_nd(xc, {0, 1});  // the last pair's second half: zero
+  const auto* xp = reinterpret_cast<const int32_t*>(xc.data_ptr<at::BFloat16>());
+  const auto* wp = w.data_ptr<at::BFloat16>();
+  if (M == 0) return y;
+  if (fp32_out)
+    vnni_dispatch<float>(xp, M, P, wp, blocks, y.data_ptr<float>(), n);
+  else
+    vnni_dispatch<at::BFloat16>(xp, M, P, wp, blocks, y.data_ptr<at::BFloat16>(), n);
+  return y;
+#else
+  TORCH_CHECK(false, "bf16_vnni_mm: this build has no AVX512-BF16 (check bf16_vnni_available)");
+  return y;
+#endif
+}
+
+bool bf16_vnni_available() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace kiln
