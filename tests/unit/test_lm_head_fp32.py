@@ -8,9 +8,11 @@ import torch
 
 import kiln.models.layers.cpu_bf16  # noqa: F401  (registers dense-bf16-fp32)
 import kiln.models.layers.onednn  # noqa: F401  (registers dense-onednn)
+import kiln.models.layers.vnni  # noqa: F401  (registers dense-vnni)
 import kiln.quant  # noqa: F401  (registers the quantized formats)
 from kiln.kernels import cpu as cpu_kernels
 from kiln.kernels.bf16_mm import onednn_available
+from kiln.kernels.bf16_vnni import vnni_available
 from kiln.models.layers.linear import Linear, get_linear_method
 
 K, N = 96, 300
@@ -30,6 +32,8 @@ def methods() -> list[str]:
         names.append("dense-bf16-fp32")
     if onednn_available(torch.bfloat16):
         names.append("dense-onednn")
+    if vnni_available():
+        names.append("dense-vnni")
     return names
 
 
@@ -61,3 +65,11 @@ def test_the_lm_head_is_never_onednn_packed():
     method_for = _method_chooser({}, None, "dense-onednn")
     assert type(method_for("model.layers.0.mlp.down_proj")).__name__ == "OneDNNLinearMethod"
     assert type(method_for("lm_head")).__name__ in ("CpuBf16LinearMethod", "DenseLinearMethod")
+
+
+def test_a_vnni_packed_model_packs_its_lm_head_too():
+    """kiln's VNNI kernel writes fp32 logits itself, so the head streams the packed layout."""
+    from kiln.models.loader import _method_chooser
+
+    method_for = _method_chooser({}, None, "dense-vnni")
+    assert type(method_for("lm_head")).__name__ == "VnniLinearMethod"

@@ -127,11 +127,11 @@ def _method_chooser(hf_config: dict, quantization: str | None, dense: str = "den
 
 
 def _lm_head_dense(dense: str) -> str:
-    """The LM head keeps plain bf16 weights where the rest is packed (oneDNN or VNNI; a tied
-    head shares its plain weight with the embedding): its logits come
-    from `apply_fp32` (fp32 sums written as fp32), which oneDNN's bf16 linear cannot produce;
-    kiln's bf16_gemm_f32 reads the plain weight (or torch's widened matmul without kernels)."""
-    if dense not in ("dense-onednn", "dense-vnni"):
+    """The LM head's dense format: its logits come from `apply_fp32` (fp32 sums written as
+    fp32). Kiln's VNNI kernel writes them itself; oneDNN's bf16 linear cannot, so where the
+    rest is oneDNN-packed the head keeps plain bf16 weights for kiln's bf16_gemm_f32 (or
+    torch's widened matmul without kernels). A tied head holds its own copy either way."""
+    if dense != "dense-onednn":
         return dense
     from kiln.kernels.bf16_mm import bf16_gemm_available
 
