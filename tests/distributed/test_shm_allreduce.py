@@ -1,0 +1,175 @@
+"""The shared-memory all-reduce against gloo's, between real processes: exact in fp32 (a sum of
+two numbers does not depend on their order), bf16 equal to the fp32 sum of every rank's bf16
+values rounded once; many consecutive calls (the double-buffered slots reused); a rank that
+dies fails the others' next call within the timeout; bad arguments fail at once."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kiln.distributed.shm_allreduce import ShmAllReduce, segment_path
+from tests.kernels.common import needs_cpu_kernels
+
+pytestmark = needs_cpu_kernels
+
+WORLD = 2
+CHUNK_BYTES = 4096  # the groups' max_bytes: 1024 fp32 or 2048 bf16 elements per chunk
+# one element, odd sizes, a batch-1 and a batch-64 hidden state of the default model (576),
+# and sizes of several chunks (the last not a whole one)
+SHAPES = [(1,), (7,), (1001,), (1, 576), (64, 576), (2 * 1024 + 3,)]
+
+
+def unique_name() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+def run_ranks(fn, *args, timeout_s: float = 240.0) -> None:
+    """Run fn(rank, *args) in WORLD spawned processes; a rank's exception fails the test, and
+    so does a rank still running after timeout_s (killed, never left hanging)."""
+    ranks = mp.start_processes(fn, args=args, nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"ranks still running after {timeout_s} s")
+
+
+def bf16_reference(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's bf16 tensor summed in fp32 in rank order, rounded once."""
+    parts = [torch.empty_like(x) for _ in range(WORLD)]
+    dist.all_gather(parts, x, group=group)
+    total = parts[0].float()
+    for part in parts[1:]:
+        total = total + part.float()
+    return total.bfloat16()
+
+
+def gloo_reference(x: torch.Tensor, group) -> torch.Tensor:
+    if x.dtype == torch.bfloat16:
+        return bf16_reference(x, group)
+    out = x.clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _matches_gloo(rank: int, store: str, name: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=WORLD)
+    shm = ShmAllReduce(name, rank, WORLD, CHUNK_BYTES, timeout_s=60)
+    generator = torch.Generator().manual_seed(1234 + rank)
+    for shape in SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(shape, generator=generator).to(dtype)
+            expected = gloo_reference(x, None)
+            shm.all_reduce_(x)
+            assert torch.equal(x, expected), f"{shape} {dtype}: max error " \
+                f"{(x.float() - expected.float()).abs().max()}"
+    _consecutive_calls(shm, rank)
+    shm.close()
+    _mismatched_tensors(rank, name + "-mismatch")
+    dist.destroy_process_group()
+
+
+def _consecutive_calls(shm: ShmAllReduce, rank: int) -> None:
+    """200 calls in a row with values every rank can predict, sizes of 1 to 3 chunks (so a
+    call's steps start on either slot) and both dtypes; every call must see only its own
+    values. Values are small integers: exact in fp32 and bf16."""
+    for call in range(200):
+        numel = (1, 576, 1500, 2500)[call % 4]
+        dtype = torch.bfloat16 if call % 3 == 0 else torch.float32
+        values = [call_values(call, numel, r) for r in range(WORLD)]
+        x = values[rank].to(dtype)
+        shm.all_reduce_(x)
+        expected = sum(values).to(dtype)
+        assert torch.equal(x, expected), f"call {call}: {x[:8]} != {expected[:8]}"
+
+
+def call_values(call: int, numel: int, rank: int) -> torch.Tensor:
+    return torch.arange(numel) % 7 + (call % 11) * (rank + 1)
+
+
+def _mismatched_tensors(rank: int, name: str) -> None:
+    """Ranks passing different element counts both fail with a message naming them, and the
+    group refuses later calls."""
+    shm = ShmAllReduce(name, rank, WORLD, CHUNK_BYTES, timeout_s=60)
+    with pytest.raises(RuntimeError, match="same element count"):
+        shm.all_reduce_(torch.ones(10 + rank))
+    with pytest.raises(RuntimeError, match="broken"):
+        shm.all_reduce_(torch.ones(10))
+    shm.close()
+
+
+def test_matches_gloo_and_survives_many_calls(tmp_path):
+    name = unique_name()
+    run_ranks(_matches_gloo, str(tmp_path / "store"), name)
+    assert not segment_path(name).exists()
+
+
+def _one_rank_exits(rank: int, name: str) -> None:
+    shm = ShmAllReduce(name, rank, WORLD, CHUNK_BYTES, timeout_s=2)
+    if rank == 1:
+        os._exit(0)  # dies without a word: no close, no call
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="gave up waiting for rank 1"):
+        shm.all_reduce_(torch.ones(576))
+    assert time.monotonic() - start < 10
+    with pytest.raises(RuntimeError, match="broken"):
+        shm.all_reduce_(torch.ones(576))
+
+
+def test_a_rank_that_exits_fails_the_other_within_the_timeout():
+    run_ranks(_one_rank_exits, unique_name())
+
+
+def test_a_rank_alone_gives_up_within_the_timeout():
+    name = unique_name()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 gave up waiting for rank 0 to create"):
+        ShmAllReduce(name, 1, WORLD, CHUNK_BYTES, timeout_s=0.3)
+    with pytest.raises(RuntimeError, match="rank 0 gave up waiting for rank 1 to attach"):
+        ShmAllReduce(name, 0, WORLD, CHUNK_BYTES, timeout_s=0.3)
+    assert time.monotonic() - start < 10
+    assert not segment_path(name).exists()
+
+
+def test_one_rank_reduces_to_itself_in_chunks():
+    shm = ShmAllReduce(unique_name(), 0, 1, CHUNK_BYTES)
+    x = torch.randn(5000)
+    expected = x.clone()
+    shm.all_reduce_(x)
+    assert torch.equal(x, expected)
+    shm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        shm.all_reduce_(x)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (("bad/name", 0, 2, 64), "name"),
+    (("ok", 2, 2, 64), "rank=2 is outside"),
+    (("ok", 0, 0, 64), "world_size=0"),
+    (("ok", 0, 2, 0), "max_bytes=0"),
+])
+def test_bad_arguments_are_named(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        ShmAllReduce(*arguments)
+
+
+def test_bad_tensors_are_refused_before_any_exchange():
+    shm = ShmAllReduce(unique_name(), 0, 1, CHUNK_BYTES)
+    with pytest.raises(TypeError, match="float16"):
+        shm.all_reduce_(torch.ones(4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="strided"):
+        shm.all_reduce_(torch.ones(4, 4).t())
+    x = torch.ones(3)
+    shm.all_reduce_(x)  # the group is not broken by refused input
+    assert torch.equal(x, torch.ones(3))
+    shm.close()
