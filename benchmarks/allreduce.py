@@ -62,7 +62,8 @@ def measure(backend: str, reduce_, batch: int, dtype: str, args) -> Row:
     x = torch.zeros(batch, HIDDEN, dtype=DTYPES[dtype])  # zeros: sums stay finite
     dist.barrier()
     median, p90 = time_calls(lambda: reduce_(x), args.iters, args.warmup)
-    return Row(backend, batch, dtype, x.numel() * x.element_size(), median, p90)
+    return Row(backend, batch, dtype, x.numel() * x.element_size(), round(median, 2),
+               round(p90, 2))
 
 
 def run_rank(rank: int, args, store: str, name: str, out: str) -> None:

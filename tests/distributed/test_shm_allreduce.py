@@ -6,6 +6,7 @@ dies fails the others' next call within the timeout; bad arguments fail at once.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 
@@ -80,11 +81,13 @@ def _matches_gloo(rank: int, store: str, name: str) -> None:
 
 
 def _consecutive_calls(shm: ShmAllReduce, rank: int) -> None:
-    """200 calls in a row with values every rank can predict, sizes of 1 to 3 chunks (so a
-    call's steps start on either slot) and both dtypes; every call must see only its own
-    values. Values are small integers: exact in fp32 and bf16."""
+    """200 calls in a row with values every rank can predict and both dtypes; every call
+    must see only its own values. Sizes of 1 to 3 chunks start a call's steps on either slot;
+    one of 40 chunks runs 40 steps back to back in C++, where a rank that reused a slot too
+    early would overwrite it while the other still reads it. Values are small integers:
+    exact in fp32 and bf16."""
     for call in range(200):
-        numel = (1, 576, 1500, 2500)[call % 4]
+        numel = (1, 576, 1500, 2500, 40 * 1024)[call % 5]
         dtype = torch.bfloat16 if call % 3 == 0 else torch.float32
         values = [call_values(call, numel, r) for r in range(WORLD)]
         x = values[rank].to(dtype)
@@ -138,6 +141,25 @@ def test_a_rank_alone_gives_up_within_the_timeout():
     with pytest.raises(RuntimeError, match="rank 0 gave up waiting for rank 1 to attach"):
         ShmAllReduce(name, 0, WORLD, CHUNK_BYTES, timeout_s=0.3)
     assert time.monotonic() - start < 10
+    assert not segment_path(name).exists()
+
+
+def test_ranks_that_disagree_on_max_bytes_are_told_so():
+    """Rank 0 in a thread (the kernels release the GIL while they wait), rank 1 here."""
+    name, failures = unique_name(), []
+
+    def rank_0():
+        try:
+            ShmAllReduce(name, 0, WORLD, CHUNK_BYTES, timeout_s=2)
+        except RuntimeError as exc:
+            failures.append(str(exc))
+
+    thread = threading.Thread(target=rank_0)
+    thread.start()
+    with pytest.raises(RuntimeError, match="do all ranks pass the same world_size and max_bytes"):
+        ShmAllReduce(name, 1, WORLD, 2 * CHUNK_BYTES, timeout_s=10)
+    thread.join()
+    assert failures and "gave up waiting for rank 1 to attach" in failures[0]
     assert not segment_path(name).exists()
 
 

@@ -125,30 +125,58 @@ def _create_segment(path: Path, size: int, world_size: int, chunk_bytes: int) ->
     staging = path.with_name(f".{path.name}.{os.getpid()}")
     fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        # reserve the pages now: a full /dev/shm fails here, not as SIGBUS on first touch
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        staging.unlink()
-        raise RuntimeError(f"shm all-reduce: cannot reserve {size} bytes in {SEGMENT_DIR} "
-                           f"({exc.strerror}); lower max_bytes or enlarge {SEGMENT_DIR}") from None
+        _reserve(fd, size)
+        segment = _map(fd, size)
+        torch.ops.kiln.shm_segment_init(segment, world_size, chunk_bytes)
+        os.replace(staging, path)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
     finally:
         os.close(fd)
-    segment = torch.from_file(str(staging), shared=True, size=size, dtype=torch.uint8)
-    torch.ops.kiln.shm_segment_init(segment, world_size, chunk_bytes)
-    os.replace(staging, path)
     return segment
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate the file's pages now: a full /dev/shm fails here with a message rather than
+    with SIGBUS at the first touch of a page it could not supply."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        raise RuntimeError(f"shm all-reduce: cannot reserve {size} bytes in {SEGMENT_DIR} "
+                           f"({exc.strerror}); lower max_bytes or enlarge {SEGMENT_DIR}") from None
 
 
 def _attach_segment(path: Path, size: int, rank: int, timeout_s: float) -> torch.Tensor:
     """Ranks > 0: wait (at most timeout_s) for rank 0's segment, then map it."""
+    fd = _open_when_there(path, rank, timeout_s)
+    try:
+        found = os.fstat(fd).st_size
+        if found != size:
+            raise RuntimeError(f"shm all-reduce: {path} has {found} bytes but rank {rank} "
+                               f"expects {size}: do all ranks pass the same world_size and "
+                               "max_bytes?")
+        return _map(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _open_when_there(path: Path, rank: int, timeout_s: float) -> int:
+    """Open rank 0's segment, polling until it appears; rank 0 removes the name only once
+    every rank has joined, so once open it stays the group's."""
     deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"shm all-reduce: rank {rank} gave up waiting for rank 0 to "
-                               f"create {path} (waited {timeout_s} s)")
-        time.sleep(0.002)
-    found = path.stat().st_size
-    if found != size:
-        raise RuntimeError(f"shm all-reduce: {path} has {found} bytes but rank {rank} expects "
-                           f"{size}: do all ranks pass the same world_size and max_bytes?")
-    return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+    while True:
+        try:
+            return os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"shm all-reduce: rank {rank} gave up waiting for rank 0 "
+                                   f"to create {path} (waited {timeout_s} s)") from None
+            time.sleep(0.002)
+
+
+def _map(fd: int, size: int) -> torch.Tensor:
+    """A uint8 tensor over a shared mapping of the open file `fd` (through its /proc path, so
+    it is the file already opened, never one created anew under the name); the mapping lives
+    as long as the tensor."""
+    return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
