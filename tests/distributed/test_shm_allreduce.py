@@ -9,6 +9,7 @@ import os
 import threading
 import time
 import uuid
+from datetime import timedelta
 
 import pytest
 import torch
@@ -61,10 +62,20 @@ def gloo_reference(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _matches_gloo(rank: int, store: str, name: str) -> None:
+def _two_ranks(rank: int, store: str, name: str) -> None:
+    """Every two-process check, one group each, in one pair of processes (starting a process
+    that imports torch costs seconds)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=WORLD)
+                            world_size=WORLD, timeout=timedelta(seconds=60))
+    _matches_gloo(rank, name + "-gloo")
+    _consecutive_calls(rank, name + "-calls")
+    _mismatched_tensors(rank, name + "-mismatch")
+    dist.destroy_process_group()
+    _one_rank_exits(rank, name + "-exit")
+
+
+def _matches_gloo(rank: int, name: str) -> None:
     shm = ShmAllReduce(name, rank, WORLD, CHUNK_BYTES, timeout_s=60)
     generator = torch.Generator().manual_seed(1234 + rank)
     for shape in SHAPES:
@@ -74,18 +85,16 @@ def _matches_gloo(rank: int, store: str, name: str) -> None:
             shm.all_reduce_(x)
             assert torch.equal(x, expected), f"{shape} {dtype}: max error " \
                 f"{(x.float() - expected.float()).abs().max()}"
-    _consecutive_calls(shm, rank)
     shm.close()
-    _mismatched_tensors(rank, name + "-mismatch")
-    dist.destroy_process_group()
 
 
-def _consecutive_calls(shm: ShmAllReduce, rank: int) -> None:
+def _consecutive_calls(rank: int, name: str) -> None:
     """200 calls in a row with values every rank can predict and both dtypes; every call
     must see only its own values. Sizes of 1 to 3 chunks start a call's steps on either slot;
     one of 40 chunks runs 40 steps back to back in C++, where a rank that reused a slot too
     early would overwrite it while the other still reads it. Values are small integers:
     exact in fp32 and bf16."""
+    shm = ShmAllReduce(name, rank, WORLD, CHUNK_BYTES, timeout_s=60)
     for call in range(200):
         numel = (1, 576, 1500, 2500, 40 * 1024)[call % 5]
         dtype = torch.bfloat16 if call % 3 == 0 else torch.float32
@@ -94,6 +103,7 @@ def _consecutive_calls(shm: ShmAllReduce, rank: int) -> None:
         shm.all_reduce_(x)
         expected = sum(values).to(dtype)
         assert torch.equal(x, expected), f"call {call}: {x[:8]} != {expected[:8]}"
+    shm.close()
 
 
 def call_values(call: int, numel: int, rank: int) -> torch.Tensor:
@@ -111,13 +121,8 @@ def _mismatched_tensors(rank: int, name: str) -> None:
     shm.close()
 
 
-def test_matches_gloo_and_survives_many_calls(tmp_path):
-    name = unique_name()
-    run_ranks(_matches_gloo, str(tmp_path / "store"), name)
-    assert not segment_path(name).exists()
-
-
 def _one_rank_exits(rank: int, name: str) -> None:
+    """Rank 1 exits after attaching; rank 0's next call fails within its 2-second timeout."""
     shm = ShmAllReduce(name, rank, WORLD, CHUNK_BYTES, timeout_s=2)
     if rank == 1:
         os._exit(0)  # dies without a word: no close, no call
@@ -129,8 +134,13 @@ def _one_rank_exits(rank: int, name: str) -> None:
         shm.all_reduce_(torch.ones(576))
 
 
-def test_a_rank_that_exits_fails_the_other_within_the_timeout():
-    run_ranks(_one_rank_exits, unique_name())
+def test_two_ranks_match_gloo_reuse_slots_and_fail_fast(tmp_path):
+    """Against gloo on random tensors; 200 consecutive calls; ranks passing different
+    tensors; a rank that exits (each function's docstring says what)."""
+    name = unique_name()
+    run_ranks(_two_ranks, str(tmp_path / "store"), name)
+    assert not any(segment_path(name + suffix).exists()
+                   for suffix in ("-gloo", "-calls", "-mismatch", "-exit"))
 
 
 def test_a_rank_alone_gives_up_within_the_timeout():
