@@ -3,6 +3,7 @@
 // header of the file that defines it; kiln/kernels/cpu/__init__.py builds and loads them.
 #include <torch/library.h>
 
+#include "allreduce.h"
 #include "ops.h"
 
 TORCH_LIBRARY(kiln, m) {
@@ -40,4 +41,11 @@ TORCH_LIBRARY(kiln, m) {
         "Tensor? long_lens, Tensor? long_context, int block_size, float scale, float eps, "
         "int num_heads, int num_kv_heads, int head_dim, bool plain_bf16) -> Tensor",
         &kiln::llama_stack);
+  m.def("shm_segment_bytes(int world_size, int chunk_bytes) -> int", &kiln::shm_segment_bytes);
+  m.def("shm_segment_init(Tensor(a!) segment, int world_size, int chunk_bytes) -> ()",
+        &kiln::shm_segment_init);
+  m.def("shm_segment_join(Tensor(a!) segment, int rank, int world_size, int chunk_bytes, "
+        "float timeout_s) -> ()", &kiln::shm_segment_join);
+  m.def("shm_all_reduce(Tensor(a!) x, Tensor(b!) segment, int rank, float timeout_s) -> ()",
+        &kiln::shm_all_reduce);
 }
