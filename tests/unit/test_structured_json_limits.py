@@ -51,6 +51,30 @@ def test_legitimate_json_breaks_nothing(text):
     assert first_breach(text) is None
 
 
+ITEMS = [f'{{"name":"Item{i}","quantity":{10 if i == 1 else i},"unit_price":{i}.5}}'
+         for i in range(1, 9)]
+SONGS = [f'{{"name":"Song {i}","artist":"Artist","duration_s":{180 + i}}}' for i in range(1, 9)]
+
+
+@pytest.mark.parametrize("elements", [ITEMS, SONGS])
+def test_objects_counting_inside_their_strings_end_the_array(elements):
+    """A counter ending a string (`Item1`, `Song 2`) counts as a number: the sixth such
+    object's comma is the breach; five are still fine."""
+    text = '{"xs":[' + ",".join(elements) + "]}"
+    sixth_comma = len('{"xs":[') + sum(map(len, elements[:6])) + 5
+    assert first_breach(text) == (sixth_comma, Breach.REPEATED_ELEMENT)
+    assert first_breach('{"xs":[' + ",".join(elements[:5]) + "]}") is None
+
+
+@pytest.mark.parametrize("text", [
+    "[" + ",".join(f'{{"at":"2024-01-05T{h:02d}:00","v":1}}' for h in range(12)) + "]",
+    "[" + ",".join(f'{{"id":"{i}","sku":"A-{i}7x","v":1}}' for i in range(1, 12)) + "]",
+    "[" + ",".join(f'{{"name":"Item{i}","kind":"{k}"}}' for i, k in enumerate("abcdefgh")) + "]",
+])
+def test_strings_that_differ_in_more_than_a_trailing_counter_are_not_counting(text):
+    assert first_breach(text) is None
+
+
 def test_a_string_that_fills_its_bound_three_times_must_close():
     twice = '{"a":"' + "1" * 32 + "ex" + "1" * 32
     assert first_breach(twice + "1") == (len(twice), Breach.STRING_RUN)

@@ -21,9 +21,10 @@ Bounds (`JsonLimits`, docs/structured.md):
   repeated elements the same array element written identically `element_copies` times in a
                     row (3: strings, objects, arrays; 8: numbers, true/false/null, since rows
                     of zeros are common), two alternating elements 3 times each, or 6
-                    objects with a string member that differ only in their numbers (a model
-                    counting `{"name":"Laptop","quantity":1}`, `..."quantity":2}` up), ends the
-                    array: no further `,` in it.
+                    objects with a string member that differ only in their numbers and in the
+                    counters ending their strings (a model counting `{"name":"Laptop",
+                    "quantity":1}`, `..."quantity":2}` or `{"name":"Item1"}`, `{"name":
+                    "Item2"}` up), ends the array: no further `,` in it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ LONG_CHUNK = 16  # string chunks this long loop at one copy fewer
 HISTORY = 8  # complete elements remembered per array (>= every *_copies, 2 x element_copies)
 _NUMBER = re.compile(r'-?\d+(\.\d+)?([eE][+-]?\d+)?')
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+# digits ending a string right after a letter (and at most one separator): a label's counter,
+# as a model counting items writes them; dates, times and ids of digits keep their digits
+_COUNTER = re.compile(r'(?<=[^\W\d_])([ _#-]?)\d+(?="$)')
 
 
 class Breach(Enum):
@@ -288,10 +292,12 @@ def _digits(value: int | float) -> int:
 
 
 def _numbers_blanked(element: str) -> str:
-    """The element with every JSON number outside its strings written as `#`."""
+    """The element with every JSON number outside its strings, and every counter ending a
+    string (`"Item1"`, `"Song 12"`), written as `#`."""
     parts, at = [], 0
     for m in _STRING.finditer(element):
-        parts.append(_NUMBER.sub("#", element[at:m.start()]) + m.group())
+        parts.append(_NUMBER.sub("#", element[at:m.start()]) +
+                     _COUNTER.sub(r"\1#", m.group()))
         at = m.end()
     return "".join(parts) + _NUMBER.sub("#", element[at:])
 
