@@ -24,6 +24,7 @@ SCHEMAS = {
                                          "quantity": {"type": "integer"}},
         "required": ["name", "quantity"]}}}, "required": ["items"]},
 }
+MEMBERS = {"type": "object", "additionalProperties": {"type": "string"}}
 
 
 def make_loving_checkpoint(path: Path, text: str) -> Path:
@@ -96,3 +97,16 @@ def test_unconstrained_requests_are_unchanged(tmp_path_factory):
     out = llm.generate("Data:", SamplingParams(max_tokens=300, temperature=0),
                        use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "repetition" and llm.engine.structured.num_interventions == 0
+
+
+@pytest.mark.parametrize("loving_llm", ['",'], indirect=True)
+def test_a_member_value_written_three_times_ends_the_object(loving_llm):
+    """The quote-comma lover writes `{"k":",","k":",",...` on and on (16 members before the
+    guard stopped it, the redraws used up); now the third copy of the value closes the
+    object."""
+    before = loving_llm.engine.structured.num_interventions
+    out = _json(loving_llm, MEMBERS, temperature=0)
+    members = json.loads(out.text, object_pairs_hook=list)
+    assert out.finish_reason == "stop" and len(members) == 3, out.text
+    assert len({value for _, value in members}) == 1
+    assert loving_llm.engine.structured.num_interventions > before

@@ -30,6 +30,10 @@ def first_breach(text: str, shape: JsonShape | None = None) -> tuple[int, Breach
     ('["ab","cd","ab","cd","ab","cd","ab"]', 30, Breach.REPEATED_ELEMENT),  # alternating
     ("[" + ",".join(f'{{"n":"Cities","q":{i}}}' for i in range(1, 9)) + "]",
      1 + 6 * 20 + 5, Breach.REPEATED_ELEMENT),  # counting up: 6 objects but for numbers
+    ('{"a":"x","b":"x","c":"x","d":"x"}', 24, Breach.REPEATED_MEMBER),  # one value 3 times
+    ('{"o":{"a":[1],"b":[1],"c":[1],"d":[1]}}', 29, Breach.REPEATED_MEMBER),
+    ("{" + ",".join(f'"k{i}":0' for i in range(10)) + "}", 1 + 8 * 6 + 7,
+     Breach.REPEATED_MEMBER),  # scalars: 8 copies
     ('{"name":"Nyx' + "-Ki" * 5, 12 + 3 * 4 - 1, Breach.STRING_LOOP),  # a chunk 4 times
     ('{"s":"' + "apple_banana_grape_" * 4, 6 + 19 * 3 - 1, Breach.STRING_LOOP),  # long: 3
 ])
@@ -43,6 +47,8 @@ def test_each_bound_breaks_where_documented(text, at, breach):
     '{"xs":[0,0,0,0,0,0,0,0],"ys":["a","a","a"],"zs":[[1],[1],[1]]}',
     '{"s":"a\\\\\\"' + "b" * 32 + '"}',  # escapes break runs
     '["x","x","y","x","x","y"]',
+    '{"a":"x","b":"x","c":"y","d":"x","e":"x","f":{"x":"x"},"g":"x","h":"x"}',
+    '{"x":"a","y":["a","a"],"z":{"x":"a","y":"b"},"w":"a"}',  # values of one object only
     "[" + ",".join(f'{{"x":{i},"y":{i}}}' for i in range(20)) + "]",  # no string member
     "[" + ",".join(f'{{"date":"2024-01-{i:02d}","v":1}}' for i in range(1, 20)) + "]",
     '{"s":"ha ha ha","t":"0x0000000000","u":"abcabcabc","v":"' + "ab-cd-ef-gh-ij-" * 2 + '"}',

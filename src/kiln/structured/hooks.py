@@ -153,11 +153,7 @@ class StructuredHooks:
         constraint, guard = request.grammar, request.guard
         if constraint is None or constraint.matcher is None or self._vocab is None:
             return None
-        ban = None
-        if breach is not None:
-            starts = breach[0].banned_starts(breach[1])
-            ban = [token] + (self._vocab.starting_with(starts) if starts else
-                             self._vocab.not_closing_string())
+        ban = self._breach_ban(request, token, breach) if breach is not None else None
         if ban is None and loops:
             ban = [token]
             if guard.json is not None and guard.json.in_string and \
@@ -168,6 +164,19 @@ class StructuredHooks:
         self.num_interventions += 1
         self._ban(request, banned + ban)
         return REDRAW
+
+    def _breach_ban(self, request: Request, token: int, breach: tuple[Breach, str]) -> list[int]:
+        """The tokens banned for the redraw after `token` broke a bound: it and the tokens
+        that would break it the same way. A token that closes the third copy of a string and
+        adds `,` (`",`) may close it, but then the array or object must end: banning only the
+        token would make the model write on in the string (`"x","x","xex"`), a new loop."""
+        kind, char = breach
+        vocab = self._vocab
+        if kind.ends_container and request.guard.json.in_string and \
+                vocab.text(token).startswith('"'):
+            return [token] + vocab.not_closing_string() + vocab.closing_then(",")
+        starts = kind.banned_starts(char)
+        return [token] + (vocab.starting_with(starts) if starts else vocab.not_closing_string())
 
     def _trips(self, request: Request, token: int) -> bool:
         vocab = self._vocab

@@ -56,6 +56,12 @@ class Breach(Enum):
     STRING_END = "string_end"  # a run past its bound again after two capped runs: close it
     STRING_LOOP = "string_loop"  # a string ends in 4 copies of one chunk: close it
     REPEATED_ELEMENT = "repeated_element"
+    REPEATED_MEMBER = "repeated_member"
+
+    @property
+    def ends_container(self) -> bool:
+        """The breach bans the comma: the array or object must end."""
+        return self in (Breach.REPEATED_ELEMENT, Breach.REPEATED_MEMBER)
 
     def banned_starts(self, char: str) -> str:
         """The first characters of the tokens banned with the breaking one: those that
@@ -64,7 +70,7 @@ class Breach(Enum):
         return {Breach.NUMBER_DIGITS: "0123456789.", Breach.EXPONENT_DIGITS: "0123456789",
                 Breach.STRING_RUN: char, Breach.STRING_DIGITS: "0123456789",
                 Breach.STRING_END: "", Breach.STRING_LOOP: "",
-                Breach.REPEATED_ELEMENT: ","}[self]
+                Breach.REPEATED_ELEMENT: ",", Breach.REPEATED_MEMBER: ","}[self]
 
 
 @dataclass(frozen=True)
@@ -82,9 +88,17 @@ class JsonLimits:
 
 
 @dataclass
-class _Array:
+class _Level:
+    """One open array or object: where its current element (an object's: member value)
+    began, and the last complete ones' texts."""
+
+    array: bool
     start: int | None = None  # offset in the text where the current element began
-    recent: list[str] = field(default_factory=list)  # the last complete elements' texts
+    recent: list[str] = field(default_factory=list)
+    after_colon: bool = False  # an object's: a member's value comes next
+
+    def copy(self) -> _Level:
+        return replace(self, recent=list(self.recent))
 
 
 @dataclass
@@ -98,7 +112,7 @@ class _Number:
 class JsonShape:
     limits: JsonLimits = field(default_factory=JsonLimits)
     text: str = ""
-    arrays: list[_Array | None] = field(default_factory=list)  # None for an object level
+    levels: list[_Level] = field(default_factory=list)  # the open arrays and objects
     in_string: bool = False
     escaped: bool = False
     run_char: str = ""
@@ -109,8 +123,7 @@ class JsonShape:
     number: _Number | None = None
 
     def fork(self) -> JsonShape:
-        return replace(self, arrays=[replace(a, recent=list(a.recent)) if a else None
-                                     for a in self.arrays],
+        return replace(self, levels=[level.copy() for level in self.levels],
                        number=replace(self.number) if self.number else None)
 
     def feed(self, piece: str) -> tuple[Breach, str] | None:
@@ -158,12 +171,15 @@ class JsonShape:
             return self._number_char(ch)
         elif ch in "[{":
             self._value_starts()
-            self.arrays.append(_Array() if ch == "[" else None)
+            self.levels.append(_Level(array=ch == "["))
         elif ch in "]}":
-            if self.arrays:
-                self._element_ends(self.arrays.pop())
+            if self.levels:
+                self.levels.pop()
         elif ch == ",":
             return self._comma()
+        elif ch == ":":
+            if self.levels:
+                self.levels[-1].after_colon = True
         elif ch in "tfn":
             self._value_starts()
         return None
@@ -206,38 +222,41 @@ class JsonShape:
             return Breach.NUMBER_DIGITS if n.significant > lim.number_digits else None
         return None
 
-    # -- array elements -----------------------------------------------------------------------
+    # -- array elements and member values ------------------------------------------------------
 
     def _value_starts(self) -> None:
-        """A value begins here: if it is an array element, remember where (the first
-        character only: `"` of a string inside an element object is not an element)."""
-        top = self.arrays[-1] if self.arrays else None
-        if top is not None and top.start is None:
+        """A value begins here: if it is an array element or a member's value, remember
+        where (the first character only: `"` of a string inside an element object is not
+        an element; an object's key is not a value)."""
+        top = self.levels[-1] if self.levels else None
+        if top is not None and top.start is None and (top.array or top.after_colon):
             top.start = len(self.text)
-
-    def _element_ends(self, closed: _Array | None) -> None:
-        """`]` or `}` closed a container; if it closed an array, its element ends too."""
-        if closed is not None:
-            self._complete(closed)
+            top.after_colon = False
 
     def _comma(self) -> Breach | None:
-        top = self.arrays[-1] if self.arrays else None
-        if top is None:
+        if not self.levels:
             return None
+        top = self.levels[-1]
         self._complete(top)
-        return Breach.REPEATED_ELEMENT if self._elements_loop(top.recent) else None
+        if top.array:
+            return Breach.REPEATED_ELEMENT if self._elements_loop(top.recent) else None
+        return Breach.REPEATED_MEMBER if self._same_loop(top.recent) else None
+
+    def _same_loop(self, recent: list[str]) -> bool:
+        """The last values are one value `element_copies` times (scalars: `scalar_copies`)."""
+        if not recent:
+            return False
+        lim = self.limits
+        same = lim.element_copies if recent[-1][:1] in '"[{' else lim.scalar_copies
+        return len(recent) >= same and len(set(recent[-same:])) == 1
 
     def _elements_loop(self, recent: list[str]) -> bool:
         """The last elements are one element `element_copies` times (scalars:
         `scalar_copies`), or two alternating elements `element_copies` times each."""
+        if not recent or self._same_loop(recent):
+            return bool(recent)
         lim = self.limits
-        if not recent:
-            return False
-        composite = recent[-1][:1] in '"[{'
-        same = lim.element_copies if composite else lim.scalar_copies
-        if len(recent) >= same and len(set(recent[-same:])) == 1:
-            return True
-        if not composite:
+        if recent[-1][:1] not in '"[{':
             return False
         pair = recent[-2 * lim.element_copies:]
         if len(pair) == 2 * lim.element_copies and pair == pair[:2] * lim.element_copies:
@@ -246,11 +265,11 @@ class JsonShape:
         return len(similar) == lim.similar_copies and recent[-1][:1] == "{" and \
             len({_numbers_blanked(e) for e in similar}) == 1 and '":"' in _squeeze(recent[-1])
 
-    def _complete(self, array: _Array) -> None:
-        if array.start is None:
+    def _complete(self, level: _Level) -> None:
+        if level.start is None:
             return
-        array.recent = (array.recent + [self.text[array.start:].strip()])[-HISTORY:]
-        array.start = None
+        level.recent = (level.recent + [self.text[level.start:].strip()])[-HISTORY:]
+        level.start = None
 
 
 def limits_for_schema(schema_text: str | None) -> JsonLimits:
