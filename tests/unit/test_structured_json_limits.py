@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.structured.json_limits import Breach, JsonShape, limits_for_schema
+from kiln.structured.json_limits import (
+    Breach,
+    JsonLimits,
+    JsonShape,
+    limits_for_schema,
+    tag_json_begins,
+)
+from kiln.structured.tools import FORMATS, Tool, call_grammar
 
 
 def first_breach(text: str, shape: JsonShape | None = None) -> tuple[int, Breach] | None:
@@ -101,3 +108,29 @@ def test_schema_bounds_widen_the_digit_bound():
     assert limits_for_schema('{"type":"number","maximum":5}').number_digits == 16
     assert limits_for_schema('{"properties":{"n":{"maximum":1e25}}}').number_digits == 27
     assert limits_for_schema('{"minimum":-100000000000000000000}').number_digits == 22
+
+
+def test_tool_call_grammars_name_where_their_json_begins():
+    tools = [Tool("f", None, {"type": "object"}), Tool("g", None, {"type": "object"})]
+    hermes, bare = FORMATS["hermes"], FORMATS["json"]
+    assert tag_json_begins(call_grammar(tools, hermes, "required")) == (
+        '<tool_call>\n{"name": "f", "arguments": ', '<tool_call>\n{"name": "g", "arguments": ')
+    assert tag_json_begins(call_grammar(tools, bare, "g")) == ('{"name": "g", "parameters": ',)
+    whole = '{"type": "structural_tag", "format": {"type": "json_schema", "json_schema": {}}}'
+    assert tag_json_begins(whole) == ()
+    free = '{"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "content": ' \
+           '{"type": "any_text"}, "end": "</a>"}}'
+    assert tag_json_begins(free) is None and tag_json_begins("not json") is None
+
+
+def test_a_tagged_shape_follows_only_the_json_after_a_begin():
+    """Free text and the tags around a call are not JSON: quotes, digits and brackets there
+    break nothing; each call's arguments are held to the limits from their first character."""
+    begin = '<tool_call>\n{"name": "f", "arguments": '
+    shape = JsonShape.tagged(JsonLimits(), (begin,))
+    prose = 'He said "' + "1" * 40 + '" [x, x, x, x] and {"a":' + "2" * 30 + "\n"
+    call = begin + '{"n": 5, "s": "ok"}}\n</tool_call>\n'
+    assert first_breach(prose + call + prose, shape) is None
+    assert not shape.in_string and shape.outside
+    again = begin + '{"n": ' + "3" * 20
+    assert first_breach(again, shape) == (len(begin) + 6 + 16, Breach.NUMBER_DIGITS)

@@ -27,7 +27,7 @@ from kiln.structured.compiler import GrammarCompiler
 from kiln.structured.constraint import TokenConstraint
 from kiln.structured.grammar_spec import GrammarError, GrammarSpec, grammar_spec
 from kiln.structured.guard import GuardState, guard_settings
-from kiln.structured.json_limits import Breach, JsonShape, limits_for_schema
+from kiln.structured.json_limits import Breach, JsonShape, limits_for_schema, tag_json_begins
 from kiln.structured.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
@@ -204,9 +204,19 @@ class StructuredHooks:
 
 def json_shape(spec: GrammarSpec | None, replay: list[int],
                vocab: Vocabulary | None) -> JsonShape | None:
-    """The JSON limits' tracker for a JSON-kind grammar (after the output it resumes from)."""
-    if spec is None or spec.kind not in ("json", "json_object") or vocab is None:
+    """The JSON limits' tracker for a JSON-kind grammar, or for the JSON values inside a
+    structural tag (tool calls' arguments), after the output it resumes from."""
+    if spec is None or vocab is None:
         return None
-    shape = JsonShape(limits_for_schema(spec.source if spec.kind == "json" else None))
+    if spec.kind in ("json", "json_object"):
+        shape = JsonShape(limits_for_schema(spec.source if spec.kind == "json" else None))
+    elif spec.kind == "structural_tag":
+        begins = tag_json_begins(spec.source)
+        if begins is None:
+            return None
+        limits = limits_for_schema(spec.source)
+        shape = JsonShape.tagged(limits, begins) if begins else JsonShape(limits)
+    else:
+        return None
     shape.feed("".join(vocab.text(t) for t in replay))
     return shape

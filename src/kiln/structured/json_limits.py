@@ -7,7 +7,9 @@ array nesting) and, for the text a sampled token would add, names the first boun
 break. The guard (kiln.structured.hooks) then drops that token and bans it, with the tokens
 that would break the bound the same way, for a redraw of the same position; the grammar's other
 legal continuations win (the number ends, the string goes on with other characters, the array
-closes with `]`), so the output stays valid JSON.
+closes with `]`), so the output stays valid JSON. In a structural tag (tool calls) the shape
+follows only the JSON values that come after a tag's begin (`JsonShape.tagged`): the
+arguments of each call, not the free text or the tags around them.
 
 Bounds (`JsonLimits`, docs/structured.md):
   number digits     at most 16 significant digits (float64 carries no more), at most 16 zeros
@@ -121,6 +123,17 @@ class JsonShape:
     string_start: int = 0  # offset of the current string's first character
     capped: int = 0  # runs in the current string that reached their bound
     number: _Number | None = None
+    at: int = 0  # offset in `text` of the character being read
+    # structural tags (tool calls): JSON values begin after one of `begins` and the text
+    # between them (free text, the tags themselves) is not JSON; () when all of it is JSON
+    begins: tuple[str, ...] = ()
+    outside: bool = False  # between tagged JSON values
+    started: bool = False  # the current tagged value has begun
+
+    @classmethod
+    def tagged(cls, limits: JsonLimits, begins: tuple[str, ...]) -> JsonShape:
+        """A shape for output whose JSON values each follow one of `begins`."""
+        return cls(limits, begins=begins, outside=True)
 
     def fork(self) -> JsonShape:
         return replace(self, levels=[level.copy() for level in self.levels],
@@ -129,26 +142,46 @@ class JsonShape:
     def feed(self, piece: str) -> tuple[Breach, str] | None:
         """Advance over `piece`; the first bound broken (with the character involved), or
         None. After a breach the state is unusable: feed a `fork()` to test a token."""
-        for ch in piece:
+        first = len(self.text)
+        self.text += piece
+        for i, ch in enumerate(piece):
+            self.at = first + i
+            if self.outside:
+                self.outside = not self._begins_here()
+                continue
             breach = self._char(ch)
-            self.text += ch
             if breach is not None:
                 return breach, ch
+            if self.begins and self._value_ended():
+                self.outside = True
         if self.in_string and self._string_loops():
             return Breach.STRING_LOOP, piece[-1:]
         return None
+
+    def _begins_here(self) -> bool:
+        """Outside: whether the text up to this character ends with a begin (a JSON value
+        follows)."""
+        end = self.at + 1
+        if any(self.text.endswith(b, 0, end) for b in self.begins):
+            self.started = False
+            return True
+        return False
+
+    def _value_ended(self) -> bool:
+        return self.started and not self.levels and not self.in_string and self.number is None
 
     def _string_loops(self) -> bool:
         """Whether the current string ends in `string_loop_copies` copies of one chunk of 2..64
         characters, or one copy fewer of a chunk of 16 or more (checked once per token: a few
         slice comparisons)."""
-        lim = self.limits
-        body = self.text[self.string_start:]
-        for size in range(2, min(lim.string_loop_chunk, len(body) // 2) + 1):
-            copies = lim.string_loop_copies - (size >= LONG_CHUNK)
-            tail = body[-size * copies:]
-            if len(tail) == size * copies and tail == tail[:size] * copies and \
-                    len(set(tail)) > 1:
+        lim, text, end = self.limits, self.text, len(self.text)
+        length = end - self.string_start
+        for size in range(2, min(lim.string_loop_chunk, length // 2) + 1):
+            if text[end - 1] != text[end - 1 - size]:
+                continue  # not periodic at the last character: the common, O(1) case
+            span = size * (lim.string_loop_copies - (size >= LONG_CHUNK))
+            if span <= length and text.startswith(text[end - span + size:], end - span) and \
+                    len(set(text[end - span:end])) > 1:
                 return True
         return False
 
@@ -164,7 +197,7 @@ class JsonShape:
         if ch == '"':
             self._value_starts()
             self.in_string, self.run, self.digits, self.capped = True, 0, 0, 0
-            self.string_start = len(self.text) + 1
+            self.string_start = self.at + 1
         elif ch in NUMBER_START:
             self._value_starts()
             self.number = _Number()
@@ -228,9 +261,10 @@ class JsonShape:
         """A value begins here: if it is an array element or a member's value, remember
         where (the first character only: `"` of a string inside an element object is not
         an element; an object's key is not a value)."""
+        self.started = True
         top = self.levels[-1] if self.levels else None
         if top is not None and top.start is None and (top.array or top.after_colon):
-            top.start = len(self.text)
+            top.start = self.at
             top.after_colon = False
 
     def _comma(self) -> Breach | None:
@@ -268,7 +302,7 @@ class JsonShape:
     def _complete(self, level: _Level) -> None:
         if level.start is None:
             return
-        level.recent = (level.recent + [self.text[level.start:].strip()])[-HISTORY:]
+        level.recent = (level.recent + [self.text[level.start:self.at].strip()])[-HISTORY:]
         level.start = None
 
 
@@ -283,6 +317,38 @@ def limits_for_schema(schema_text: str | None) -> JsonLimits:
         return JsonLimits()
     needed = max((_digits(v) for v in _numeric_bounds(schema)), default=0)
     return JsonLimits(number_digits=max(JsonLimits.number_digits, needed))
+
+
+def tag_json_begins(tag_text: str) -> tuple[str, ...] | None:
+    """For an xgrammar structural tag (JSON text): the texts after which its JSON content
+    begins (the tags' `begin`s whose content is a JSON schema; tool calls: `<tool_call>\\n
+    {"name": "f", "arguments": `); () when the whole output is one JSON value; None when no
+    JSON content can be followed (free-form content, or text that is not a tag)."""
+    try:
+        tag = json.loads(tag_text)
+    except ValueError:
+        return None
+    fmt = tag.get("format") if isinstance(tag, dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        return ()
+    begins = tuple(dict.fromkeys(_json_begins(tag)))
+    return begins or None
+
+
+def _json_begins(node: object):
+    if isinstance(node, list):
+        for item in node:
+            yield from _json_begins(item)
+    elif isinstance(node, dict):
+        content = node.get("content")
+        begin = node.get("begin")
+        if isinstance(begin, str) and begin and (
+                "schema" in node or isinstance(content, dict) and
+                content.get("type") == "json_schema"):
+            yield begin  # {"type": "tag", "content": {"type": "json_schema"}}, or the
+            return       # older {"begin", "schema", "end"} structures
+        for value in node.values():
+            yield from _json_begins(value)
 
 
 _BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
