@@ -109,9 +109,10 @@ class StructuredHooks:
         if request.guard is not None and token not in banned:  # a ban the grammar overruled
             loops = self._trips(request, token)
             ahead, breach = self._json_ahead(request, token)
-            masked = self._intervene(request, token, banned, loops, breach)
-            if masked is not None:
-                return masked
+            if loops or breach is not None:
+                masked = self._intervene(request, token, banned, loops, breach)
+                if masked is not None:
+                    return masked
             if loops:
                 if request.guard.take_redraw():
                     self.num_redraws += 1

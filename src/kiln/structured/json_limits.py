@@ -31,10 +31,11 @@ Bounds (`JsonLimits`, docs/structured.md):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 
 NUMBER_START = "-0123456789"
@@ -100,7 +101,7 @@ class _Level:
     after_colon: bool = False  # an object's: a member's value comes next
 
     def copy(self) -> _Level:
-        return replace(self, recent=list(self.recent))
+        return _Level(self.array, self.start, list(self.recent), self.after_colon)
 
 
 @dataclass
@@ -129,6 +130,7 @@ class JsonShape:
     begins: tuple[str, ...] = ()
     outside: bool = False  # between tagged JSON values
     started: bool = False  # the current tagged value has begun
+    shared_levels: bool = False  # `levels` (list and items) shared with a fork: copy first
 
     @classmethod
     def tagged(cls, limits: JsonLimits, begins: tuple[str, ...]) -> JsonShape:
@@ -136,8 +138,22 @@ class JsonShape:
         return cls(limits, begins=begins, outside=True)
 
     def fork(self) -> JsonShape:
-        return replace(self, levels=[level.copy() for level in self.levels],
-                       number=replace(self.number) if self.number else None)
+        """A copy to test a token on (once per sampled token, so cheap): the two share their
+        open levels until either changes one (`_own_levels`), which most tokens never do."""
+        twin = JsonShape.__new__(JsonShape)
+        twin.__dict__.update(self.__dict__)  # every field; `text` is an immutable str
+        self.shared_levels = twin.shared_levels = True
+        n = self.number
+        if n is not None:
+            twin.number = _Number(n.significant, n.zeros, n.exponent)
+        return twin
+
+    def _own_levels(self) -> list[_Level]:
+        """`levels`, copied first if a fork shares them (to change them)."""
+        if self.shared_levels:
+            self.levels = [level.copy() for level in self.levels]
+            self.shared_levels = False
+        return self.levels
 
     def feed(self, piece: str) -> tuple[Breach, str] | None:
         """Advance over `piece`; the first bound broken (with the character involved), or
@@ -145,15 +161,19 @@ class JsonShape:
         first = len(self.text)
         self.text += piece
         for i, ch in enumerate(piece):
-            self.at = first + i
-            if self.outside:
+            if self.in_string and not self.escaped and ch != '"' and ch != "\\":
+                breach = self._plain_string_char(ch)  # most characters: no offsets needed
+            elif self.outside:
+                self.at = first + i
                 self.outside = not self._begins_here()
                 continue
-            breach = self._char(ch)
+            else:
+                self.at = first + i
+                breach = self._char(ch)
+                if breach is None and self.begins and self._value_ended():
+                    self.outside = True
             if breach is not None:
                 return breach, ch
-            if self.begins and self._value_ended():
-                self.outside = True
         if self.in_string and self._string_loops():
             return Breach.STRING_LOOP, piece[-1:]
         return None
@@ -204,15 +224,15 @@ class JsonShape:
             return self._number_char(ch)
         elif ch in "[{":
             self._value_starts()
-            self.levels.append(_Level(array=ch == "["))
+            self._own_levels().append(_Level(array=ch == "["))
         elif ch in "]}":
-            if self.levels:
-                self.levels.pop()
+            if self.levels:  # a closed level is dropped: the others may stay shared
+                self.levels = self.levels[:-1]
         elif ch == ",":
             return self._comma()
         elif ch == ":":
             if self.levels:
-                self.levels[-1].after_colon = True
+                self._own_levels()[-1].after_colon = True
         elif ch in "tfn":
             self._value_starts()
         return None
@@ -227,6 +247,10 @@ class JsonShape:
         if ch == '"':
             self.in_string = False
             return None
+        return self._plain_string_char(ch)
+
+    def _plain_string_char(self, ch: str) -> Breach | None:
+        """A character of a string's content (not an escape or its closing quote)."""
         self.run = self.run + 1 if ch == self.run_char else 1
         self.run_char = ch
         self.digits = self.digits + 1 if ch.isdigit() else 0
@@ -264,13 +288,14 @@ class JsonShape:
         self.started = True
         top = self.levels[-1] if self.levels else None
         if top is not None and top.start is None and (top.array or top.after_colon):
+            top = self._own_levels()[-1]
             top.start = self.at
             top.after_colon = False
 
     def _comma(self) -> Breach | None:
         if not self.levels:
             return None
-        top = self.levels[-1]
+        top = self._own_levels()[-1]
         self._complete(top)
         if top.array:
             return Breach.REPEATED_ELEMENT if self._elements_loop(top.recent) else None
@@ -306,6 +331,7 @@ class JsonShape:
         level.start = None
 
 
+@functools.lru_cache(maxsize=256)  # per request, and requests often share a schema
 def limits_for_schema(schema_text: str | None) -> JsonLimits:
     """The default limits, with the significant-digit bound raised to fit the largest
     numeric bound the schema names (so `maximum: 1e20` integers stay writable)."""
@@ -319,6 +345,7 @@ def limits_for_schema(schema_text: str | None) -> JsonLimits:
     return JsonLimits(number_digits=max(JsonLimits.number_digits, needed))
 
 
+@functools.lru_cache(maxsize=256)
 def tag_json_begins(tag_text: str) -> tuple[str, ...] | None:
     """For an xgrammar structural tag (JSON text): the texts after which its JSON content
     begins (the tags' `begin`s whose content is a JSON schema; tool calls: `<tool_call>\\n
