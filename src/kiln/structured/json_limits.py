@@ -27,6 +27,8 @@ Bounds (`JsonLimits`, docs/structured.md):
                     counters ending their strings (a model counting `{"name":"Laptop",
                     "quantity":1}`, `..."quantity":2}` or `{"name":"Item1"}`, `{"name":
                     "Item2"}` up), ends the array: no further `,` in it.
+  repeated members  an object's last 3 member values identical (8: numbers and literals) ends
+                    the object the same way (a schema's required members overrule the ban).
 """
 
 from __future__ import annotations
