@@ -130,6 +130,7 @@ class JsonShape:
     # structural tags (tool calls): JSON values begin after one of `begins` and the text
     # between them (free text, the tags themselves) is not JSON; () when all of it is JSON
     begins: tuple[str, ...] = ()
+    begin_ends: str = ""  # the begins' last characters (only they can complete one)
     outside: bool = False  # between tagged JSON values
     started: bool = False  # the current tagged value has begun
     shared_levels: bool = False  # `levels` (list and items) shared with a fork: copy first
@@ -137,7 +138,8 @@ class JsonShape:
     @classmethod
     def tagged(cls, limits: JsonLimits, begins: tuple[str, ...]) -> JsonShape:
         """A shape for output whose JSON values each follow one of `begins`."""
-        return cls(limits, begins=begins, outside=True)
+        return cls(limits, begins=begins, begin_ends="".join({b[-1] for b in begins if b}),
+                   outside=True)
 
     def fork(self) -> JsonShape:
         """A copy to test a token on (once per sampled token, so cheap): the two share their
@@ -166,8 +168,9 @@ class JsonShape:
             if self.in_string and not self.escaped and ch != '"' and ch != "\\":
                 breach = self._plain_string_char(ch)  # most characters: no offsets needed
             elif self.outside:
-                self.at = first + i
-                self.outside = not self._begins_here()
+                if ch in self.begin_ends:
+                    self.at = first + i
+                    self.outside = not self._begins_here()
                 continue
             else:
                 self.at = first + i
