@@ -63,7 +63,12 @@ QUESTIONS = ["Write an order for office supplies.", "List what a bakery orders e
 
 
 def chat_prompts(llm: LLM, n: int) -> list[list[int]]:
-    return [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[:n]]
+    """`n` distinct prompts: the questions, then again with a variant number (before, batch
+    64 ran only the 16 questions: the batch-64 figure was batch 16's)."""
+    questions = [QUESTIONS[i % len(QUESTIONS)] + (f" Variant {i // len(QUESTIONS)}."
+                                                  if i >= len(QUESTIONS) else "")
+                 for i in range(n)]
+    return [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
 
 
 def step_times(llm: LLM, prompts: list[list[int]], tokens: int, constrained: bool,

@@ -12,6 +12,8 @@ import pytest
 
 from kiln import LLM, SamplingParams
 from kiln.sampling_params import RepetitionGuardParams, StructuredOutputsParams
+from kiln.structured.parsers import parse_tool_calls
+from kiln.structured.tools import FORMATS, Tool, call_grammar
 
 SCHEMAS = {
     "number": {"type": "object", "properties": {"n": {"type": "number"}}, "required": ["n"]},
@@ -24,6 +26,7 @@ SCHEMAS = {
                                          "quantity": {"type": "integer"}},
         "required": ["name", "quantity"]}}}, "required": ["items"]},
 }
+MEMBERS = {"type": "object", "additionalProperties": {"type": "string"}}
 
 
 def make_loving_checkpoint(path: Path, text: str) -> Path:
@@ -96,3 +99,39 @@ def test_unconstrained_requests_are_unchanged(tmp_path_factory):
     out = llm.generate("Data:", SamplingParams(max_tokens=300, temperature=0),
                        use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "repetition" and llm.engine.structured.num_interventions == 0
+
+
+@pytest.mark.parametrize("loving_llm", ['",'], indirect=True)
+def test_a_member_value_written_three_times_ends_the_object(loving_llm):
+    """The quote-comma lover writes `{"k":",","k":",",...` on and on (16 members before the
+    guard stopped it, the redraws used up); now the third copy of the value closes the
+    object."""
+    before = loving_llm.engine.structured.num_interventions
+    out = _json(loving_llm, MEMBERS, temperature=0)
+    members = json.loads(out.text, object_pairs_hook=list)
+    assert out.finish_reason == "stop" and len(members) == 3, out.text
+    assert len({value for _, value in members}) == 1
+    assert loving_llm.engine.structured.num_interventions > before
+
+
+@pytest.mark.parametrize("loving_llm", ["1", '",'], indirect=True)
+@pytest.mark.parametrize("choice", ["required", "count"])
+def test_a_tool_calls_arguments_stay_valid_and_bounded(loving_llm, choice):
+    """Tool-call grammars (structural tags): the JSON limits follow the arguments inside
+    `<tool_call>...</tool_call>`, so the digit lover's number stops at 16 digits and the
+    quote-comma lover's list stops at the third copy of one element, and the call parses."""
+    import jsonschema
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "tags": {
+        "type": "array", "items": {"type": "string"}}}, "required": ["n", "tags"]}
+    fmt = FORMATS["hermes"]
+    grammar = call_grammar([Tool("count", None, schema)], fmt, choice, parallel=False)
+    out = loving_llm.generate("Data:", SamplingParams(
+        max_tokens=400, temperature=0, structured_outputs=StructuredOutputsParams(
+            structural_tag=grammar)), use_tqdm=False)[0].outputs[0]
+    calls = parse_tool_calls(out.text, fmt).calls
+    assert out.finish_reason == "stop" and len(calls) == 1, out.text
+    arguments = json.loads(calls[0].arguments)
+    jsonschema.validate(arguments, schema)
+    tags = arguments["tags"]
+    assert len(str(arguments["n"]).lstrip("-")) <= 16
+    assert all(len(set(tags[i:i + 4])) > 1 for i in range(len(tags) - 3)), tags  # 3 copies

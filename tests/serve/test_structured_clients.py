@@ -7,6 +7,7 @@ finish_reason outside OpenAI's values, so these pass only if kiln's wire format 
 from __future__ import annotations
 
 import enum
+import os
 
 import openai
 import pytest
@@ -87,3 +88,16 @@ def test_langchain_with_structured_output(server, method):
     schema = City if method == "json_schema" else GetWeather
     structured = llm.with_structured_output(schema, method=method, strict=True)
     assert isinstance(structured.invoke("Describe it as JSON."), schema)
+
+
+def test_litellm_completion_with_a_pydantic_response_format(server):
+    """LiteLLM's OpenAI-compatible provider (an optional test dependency: litellm) sends the
+    Pydantic model as a strict json_schema; the content it returns validates against it."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
+    litellm = pytest.importorskip("litellm")
+    out = litellm.completion(model=f"openai/{MODEL}", api_base=f"{server.base_url}/v1",
+                             api_key="unused", messages=MSG, max_tokens=400, temperature=0,
+                             response_format=City, num_retries=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert City.model_validate_json(choice.message.content).name

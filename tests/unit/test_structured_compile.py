@@ -269,3 +269,30 @@ def test_a_ban_of_many_tokens_clears_exactly_their_bits():
     before = row.clone()
     everything.apply_ban(row, 0)  # would forbid every token: the ban gives way
     assert torch.equal(row, before)
+
+
+def test_utf8_masks_for_many_rows_at_once_match_one_row_at_a_time():
+    """`apply_utf8_rows` (the batched fill) ANDs exactly what `apply_utf8` does per row, and
+    leaves a row whole where the AND would allow nothing."""
+    import random
+
+    from kiln.structured.bitmask import apply_utf8_rows
+    from kiln.structured.utf8 import NUM_STATES, Utf8Table
+    rng = random.Random(0)
+    vocab = 300
+    table = Utf8Table([bytes(rng.randrange(256) for _ in range(rng.randint(1, 3)))
+                       for _ in range(vocab - 4)], vocab)
+    constraints = []
+    for state in [*range(NUM_STATES), 0, 1]:
+        c = TokenConstraint()
+        c.utf8, c.utf8_state = table, state
+        constraints.append(c)
+    words = (vocab + 31) // 32
+    grammar = torch.randint(-2**31, 2**31 - 1, (len(constraints), words), dtype=torch.int32)
+    grammar[-1] = ~table.masks[1]  # nothing left after the AND: the row stays as it was
+    one_by_one = grammar.clone()
+    for row, c in enumerate(constraints):
+        c.apply_utf8(one_by_one, row)
+    batched = grammar.clone()
+    apply_utf8_rows(batched, [(c, row) for row, c in enumerate(constraints)])
+    assert torch.equal(batched, one_by_one) and torch.equal(batched[-1], grammar[-1])

@@ -75,9 +75,25 @@ class GrammarRows:
             matcher = _batch_matcher()
             matcher.batch_fill_next_token_bitmask([c.matcher for c, _ in batched], bitmask,
                                                   [row for _, row in batched])
+        apply_utf8_rows(bitmask, batched)
         for constraint, row in batched:
-            constraint.apply_utf8(bitmask, row)
             constraint.apply_ban(bitmask, row)
+
+
+def apply_utf8_rows(bitmask: torch.Tensor, rows: list[tuple[TokenConstraint, int]]) -> None:
+    """`TokenConstraint.apply_utf8` for many rows in a few tensor operations (not a handful
+    per row): each row ANDs in its UTF-8 state's mask, unless that would leave it none."""
+    by_table: dict[int, list[tuple[TokenConstraint, int]]] = {}
+    for constraint, row in rows:
+        if constraint.utf8 is not None:
+            by_table.setdefault(id(constraint.utf8), []).append((constraint, row))
+    for group in by_table.values():
+        table = group[0][0].utf8
+        index = torch.tensor([row for _, row in group], dtype=torch.int64)
+        states = torch.tensor([c.utf8_state for c, _ in group], dtype=torch.int64)
+        masked = bitmask[index] & table.masks[states]
+        keep = masked.any(dim=1)
+        bitmask[index[keep]] = masked[keep]
 
 
 def _batch_matcher():

@@ -27,7 +27,7 @@ from kiln.structured.compiler import GrammarCompiler
 from kiln.structured.constraint import TokenConstraint
 from kiln.structured.grammar_spec import GrammarError, GrammarSpec, grammar_spec
 from kiln.structured.guard import GuardState, guard_settings
-from kiln.structured.json_limits import Breach, JsonShape, limits_for_schema
+from kiln.structured.json_limits import Breach, JsonShape, limits_for_schema, tag_json_begins
 from kiln.structured.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
@@ -109,9 +109,10 @@ class StructuredHooks:
         if request.guard is not None and token not in banned:  # a ban the grammar overruled
             loops = self._trips(request, token)
             ahead, breach = self._json_ahead(request, token)
-            masked = self._intervene(request, token, banned, loops, breach)
-            if masked is not None:
-                return masked
+            if loops or breach is not None:
+                masked = self._intervene(request, token, banned, loops, breach)
+                if masked is not None:
+                    return masked
             if loops:
                 if request.guard.take_redraw():
                     self.num_redraws += 1
@@ -153,11 +154,7 @@ class StructuredHooks:
         constraint, guard = request.grammar, request.guard
         if constraint is None or constraint.matcher is None or self._vocab is None:
             return None
-        ban = None
-        if breach is not None:
-            starts = breach[0].banned_starts(breach[1])
-            ban = [token] + (self._vocab.starting_with(starts) if starts else
-                             self._vocab.not_closing_string())
+        ban = self._breach_ban(request, token, breach) if breach is not None else None
         if ban is None and loops:
             ban = [token]
             if guard.json is not None and guard.json.in_string and \
@@ -168,6 +165,19 @@ class StructuredHooks:
         self.num_interventions += 1
         self._ban(request, banned + ban)
         return REDRAW
+
+    def _breach_ban(self, request: Request, token: int, breach: tuple[Breach, str]) -> list[int]:
+        """The tokens banned for the redraw after `token` broke a bound: it and the tokens
+        that would break it the same way. A token that closes the third copy of a string and
+        adds `,` (`",`) may close it, but then the array or object must end: banning only the
+        token would make the model write on in the string (`"x","x","xex"`), a new loop."""
+        kind, char = breach
+        vocab = self._vocab
+        if kind.ends_container and request.guard.json.in_string and \
+                vocab.text(token).startswith('"'):
+            return [token] + vocab.not_closing_string() + vocab.closing_then(",")
+        starts = kind.banned_starts(char)
+        return [token] + (vocab.starting_with(starts) if starts else vocab.not_closing_string())
 
     def _trips(self, request: Request, token: int) -> bool:
         vocab = self._vocab
@@ -195,9 +205,19 @@ class StructuredHooks:
 
 def json_shape(spec: GrammarSpec | None, replay: list[int],
                vocab: Vocabulary | None) -> JsonShape | None:
-    """The JSON limits' tracker for a JSON-kind grammar (after the output it resumes from)."""
-    if spec is None or spec.kind not in ("json", "json_object") or vocab is None:
+    """The JSON limits' tracker for a JSON-kind grammar, or for the JSON values inside a
+    structural tag (tool calls' arguments), after the output it resumes from."""
+    if spec is None or vocab is None:
         return None
-    shape = JsonShape(limits_for_schema(spec.source if spec.kind == "json" else None))
+    if spec.kind in ("json", "json_object"):
+        shape = JsonShape(limits_for_schema(spec.source if spec.kind == "json" else None))
+    elif spec.kind == "structural_tag":
+        begins = tag_json_begins(spec.source)
+        if begins is None:
+            return None
+        limits = limits_for_schema(spec.source)
+        shape = JsonShape.tagged(limits, begins) if begins else JsonShape(limits)
+    else:
+        return None
     shape.feed("".join(vocab.text(t) for t in replay))
     return shape

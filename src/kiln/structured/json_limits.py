@@ -7,7 +7,9 @@ array nesting) and, for the text a sampled token would add, names the first boun
 break. The guard (kiln.structured.hooks) then drops that token and bans it, with the tokens
 that would break the bound the same way, for a redraw of the same position; the grammar's other
 legal continuations win (the number ends, the string goes on with other characters, the array
-closes with `]`), so the output stays valid JSON.
+closes with `]`), so the output stays valid JSON. In a structural tag (tool calls) the shape
+follows only the JSON values that come after a tag's begin (`JsonShape.tagged`): the
+arguments of each call, not the free text or the tags around them.
 
 Bounds (`JsonLimits`, docs/structured.md):
   number digits     at most 16 significant digits (float64 carries no more), at most 16 zeros
@@ -21,17 +23,21 @@ Bounds (`JsonLimits`, docs/structured.md):
   repeated elements the same array element written identically `element_copies` times in a
                     row (3: strings, objects, arrays; 8: numbers, true/false/null, since rows
                     of zeros are common), two alternating elements 3 times each, or 6
-                    objects with a string member that differ only in their numbers (a model
-                    counting `{"name":"Laptop","quantity":1}`, `..."quantity":2}` up), ends the
-                    array: no further `,` in it.
+                    objects with a string member that differ only in their numbers and in the
+                    counters ending their strings (a model counting `{"name":"Laptop",
+                    "quantity":1}`, `..."quantity":2}` or `{"name":"Item1"}`, `{"name":
+                    "Item2"}` up), ends the array: no further `,` in it.
+  repeated members  an object's last 3 member values identical (8: numbers and literals) ends
+                    the object the same way (a schema's required members overrule the ban).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 
 NUMBER_START = "-0123456789"
@@ -40,6 +46,9 @@ LONG_CHUNK = 16  # string chunks this long loop at one copy fewer
 HISTORY = 8  # complete elements remembered per array (>= every *_copies, 2 x element_copies)
 _NUMBER = re.compile(r'-?\d+(\.\d+)?([eE][+-]?\d+)?')
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+# digits ending a string right after a letter (and at most one separator): a label's counter,
+# as a model counting items writes them; dates, times and ids of digits keep their digits
+_COUNTER = re.compile(r'(?<=[^\W\d_])([ _#-]?)\d+(?="$)')
 
 
 class Breach(Enum):
@@ -52,6 +61,12 @@ class Breach(Enum):
     STRING_END = "string_end"  # a run past its bound again after two capped runs: close it
     STRING_LOOP = "string_loop"  # a string ends in 4 copies of one chunk: close it
     REPEATED_ELEMENT = "repeated_element"
+    REPEATED_MEMBER = "repeated_member"
+
+    @property
+    def ends_container(self) -> bool:
+        """The breach bans the comma: the array or object must end."""
+        return self in (Breach.REPEATED_ELEMENT, Breach.REPEATED_MEMBER)
 
     def banned_starts(self, char: str) -> str:
         """The first characters of the tokens banned with the breaking one: those that
@@ -60,7 +75,7 @@ class Breach(Enum):
         return {Breach.NUMBER_DIGITS: "0123456789.", Breach.EXPONENT_DIGITS: "0123456789",
                 Breach.STRING_RUN: char, Breach.STRING_DIGITS: "0123456789",
                 Breach.STRING_END: "", Breach.STRING_LOOP: "",
-                Breach.REPEATED_ELEMENT: ","}[self]
+                Breach.REPEATED_ELEMENT: ",", Breach.REPEATED_MEMBER: ","}[self]
 
 
 @dataclass(frozen=True)
@@ -78,9 +93,17 @@ class JsonLimits:
 
 
 @dataclass
-class _Array:
+class _Level:
+    """One open array or object: where its current element (an object's: member value)
+    began, and the last complete ones' texts."""
+
+    array: bool
     start: int | None = None  # offset in the text where the current element began
-    recent: list[str] = field(default_factory=list)  # the last complete elements' texts
+    recent: list[str] = field(default_factory=list)
+    after_colon: bool = False  # an object's: a member's value comes next
+
+    def copy(self) -> _Level:
+        return _Level(self.array, self.start, list(self.recent), self.after_colon)
 
 
 @dataclass
@@ -94,7 +117,7 @@ class _Number:
 class JsonShape:
     limits: JsonLimits = field(default_factory=JsonLimits)
     text: str = ""
-    arrays: list[_Array | None] = field(default_factory=list)  # None for an object level
+    levels: list[_Level] = field(default_factory=list)  # the open arrays and objects
     in_string: bool = False
     escaped: bool = False
     run_char: str = ""
@@ -103,35 +126,87 @@ class JsonShape:
     string_start: int = 0  # offset of the current string's first character
     capped: int = 0  # runs in the current string that reached their bound
     number: _Number | None = None
+    at: int = 0  # offset in `text` of the character being read
+    # structural tags (tool calls): JSON values begin after one of `begins` and the text
+    # between them (free text, the tags themselves) is not JSON; () when all of it is JSON
+    begins: tuple[str, ...] = ()
+    begin_ends: str = ""  # the begins' last characters (only they can complete one)
+    outside: bool = False  # between tagged JSON values
+    started: bool = False  # the current tagged value has begun
+    shared_levels: bool = False  # `levels` (list and items) shared with a fork: copy first
+
+    @classmethod
+    def tagged(cls, limits: JsonLimits, begins: tuple[str, ...]) -> JsonShape:
+        """A shape for output whose JSON values each follow one of `begins`."""
+        return cls(limits, begins=begins, begin_ends="".join({b[-1] for b in begins if b}),
+                   outside=True)
 
     def fork(self) -> JsonShape:
-        return replace(self, arrays=[replace(a, recent=list(a.recent)) if a else None
-                                     for a in self.arrays],
-                       number=replace(self.number) if self.number else None)
+        """A copy to test a token on (once per sampled token, so cheap): the two share their
+        open levels until either changes one (`_own_levels`), which most tokens never do."""
+        twin = JsonShape.__new__(JsonShape)
+        twin.__dict__.update(self.__dict__)  # every field; `text` is an immutable str
+        self.shared_levels = twin.shared_levels = True
+        n = self.number
+        if n is not None:
+            twin.number = _Number(n.significant, n.zeros, n.exponent)
+        return twin
+
+    def _own_levels(self) -> list[_Level]:
+        """`levels`, copied first if a fork shares them (to change them)."""
+        if self.shared_levels:
+            self.levels = [level.copy() for level in self.levels]
+            self.shared_levels = False
+        return self.levels
 
     def feed(self, piece: str) -> tuple[Breach, str] | None:
         """Advance over `piece`; the first bound broken (with the character involved), or
         None. After a breach the state is unusable: feed a `fork()` to test a token."""
-        for ch in piece:
-            breach = self._char(ch)
-            self.text += ch
+        first = len(self.text)
+        self.text += piece
+        for i, ch in enumerate(piece):
+            if self.in_string and not self.escaped and ch != '"' and ch != "\\":
+                breach = self._plain_string_char(ch)  # most characters: no offsets needed
+            elif self.outside:
+                if ch in self.begin_ends:
+                    self.at = first + i
+                    self.outside = not self._begins_here()
+                continue
+            else:
+                self.at = first + i
+                breach = self._char(ch)
+                if breach is None and self.begins and self._value_ended():
+                    self.outside = True
             if breach is not None:
                 return breach, ch
         if self.in_string and self._string_loops():
             return Breach.STRING_LOOP, piece[-1:]
         return None
 
+    def _begins_here(self) -> bool:
+        """Outside: whether the text up to this character ends with a begin (a JSON value
+        follows)."""
+        end = self.at + 1
+        if any(self.text.endswith(b, 0, end) for b in self.begins):
+            self.started = False
+            return True
+        return False
+
+    def _value_ended(self) -> bool:
+        return self.started and not self.levels and not self.in_string and self.number is None
+
     def _string_loops(self) -> bool:
         """Whether the current string ends in `string_loop_copies` copies of one chunk of 2..64
         characters, or one copy fewer of a chunk of 16 or more (checked once per token: a few
         slice comparisons)."""
-        lim = self.limits
-        body = self.text[self.string_start:]
-        for size in range(2, min(lim.string_loop_chunk, len(body) // 2) + 1):
-            copies = lim.string_loop_copies - (size >= LONG_CHUNK)
-            tail = body[-size * copies:]
-            if len(tail) == size * copies and tail == tail[:size] * copies and \
-                    len(set(tail)) > 1:
+        lim, text, end = self.limits, self.text, len(self.text)
+        length = end - self.string_start
+        for size in range(2, min(lim.string_loop_chunk, length // 2) + 1):
+            if text[end - 1] != text[end - 1 - size]:
+                continue  # not periodic at the last character: the common, O(1) case
+            span = size * (lim.string_loop_copies - (size >= LONG_CHUNK))
+            if span <= length and text.startswith(text[end - span + size:], end - span) and \
+                    len(set(text[end - span:end])) > 1:
                 return True
         return False
 
@@ -147,19 +222,22 @@ class JsonShape:
         if ch == '"':
             self._value_starts()
             self.in_string, self.run, self.digits, self.capped = True, 0, 0, 0
-            self.string_start = len(self.text) + 1
+            self.string_start = self.at + 1
         elif ch in NUMBER_START:
             self._value_starts()
             self.number = _Number()
             return self._number_char(ch)
         elif ch in "[{":
             self._value_starts()
-            self.arrays.append(_Array() if ch == "[" else None)
+            self._own_levels().append(_Level(array=ch == "["))
         elif ch in "]}":
-            if self.arrays:
-                self._element_ends(self.arrays.pop())
+            if self.levels:  # a closed level is dropped: the others may stay shared
+                self.levels = self.levels[:-1]
         elif ch == ",":
             return self._comma()
+        elif ch == ":":
+            if self.levels:
+                self._own_levels()[-1].after_colon = True
         elif ch in "tfn":
             self._value_starts()
         return None
@@ -174,6 +252,10 @@ class JsonShape:
         if ch == '"':
             self.in_string = False
             return None
+        return self._plain_string_char(ch)
+
+    def _plain_string_char(self, ch: str) -> Breach | None:
+        """A character of a string's content (not an escape or its closing quote)."""
         self.run = self.run + 1 if ch == self.run_char else 1
         self.run_char = ch
         self.digits = self.digits + 1 if ch.isdigit() else 0
@@ -202,38 +284,43 @@ class JsonShape:
             return Breach.NUMBER_DIGITS if n.significant > lim.number_digits else None
         return None
 
-    # -- array elements -----------------------------------------------------------------------
+    # -- array elements and member values ------------------------------------------------------
 
     def _value_starts(self) -> None:
-        """A value begins here: if it is an array element, remember where (the first
-        character only: `"` of a string inside an element object is not an element)."""
-        top = self.arrays[-1] if self.arrays else None
-        if top is not None and top.start is None:
-            top.start = len(self.text)
-
-    def _element_ends(self, closed: _Array | None) -> None:
-        """`]` or `}` closed a container; if it closed an array, its element ends too."""
-        if closed is not None:
-            self._complete(closed)
+        """A value begins here: if it is an array element or a member's value, remember
+        where (the first character only: `"` of a string inside an element object is not
+        an element; an object's key is not a value)."""
+        self.started = True
+        top = self.levels[-1] if self.levels else None
+        if top is not None and top.start is None and (top.array or top.after_colon):
+            top = self._own_levels()[-1]
+            top.start = self.at
+            top.after_colon = False
 
     def _comma(self) -> Breach | None:
-        top = self.arrays[-1] if self.arrays else None
-        if top is None:
+        if not self.levels:
             return None
+        top = self._own_levels()[-1]
         self._complete(top)
-        return Breach.REPEATED_ELEMENT if self._elements_loop(top.recent) else None
+        if top.array:
+            return Breach.REPEATED_ELEMENT if self._elements_loop(top.recent) else None
+        return Breach.REPEATED_MEMBER if self._same_loop(top.recent) else None
+
+    def _same_loop(self, recent: list[str]) -> bool:
+        """The last values are one value `element_copies` times (scalars: `scalar_copies`)."""
+        if not recent:
+            return False
+        lim = self.limits
+        same = lim.element_copies if recent[-1][:1] in '"[{' else lim.scalar_copies
+        return len(recent) >= same and len(set(recent[-same:])) == 1
 
     def _elements_loop(self, recent: list[str]) -> bool:
         """The last elements are one element `element_copies` times (scalars:
         `scalar_copies`), or two alternating elements `element_copies` times each."""
+        if not recent or self._same_loop(recent):
+            return bool(recent)
         lim = self.limits
-        if not recent:
-            return False
-        composite = recent[-1][:1] in '"[{'
-        same = lim.element_copies if composite else lim.scalar_copies
-        if len(recent) >= same and len(set(recent[-same:])) == 1:
-            return True
-        if not composite:
+        if recent[-1][:1] not in '"[{':
             return False
         pair = recent[-2 * lim.element_copies:]
         if len(pair) == 2 * lim.element_copies and pair == pair[:2] * lim.element_copies:
@@ -242,13 +329,14 @@ class JsonShape:
         return len(similar) == lim.similar_copies and recent[-1][:1] == "{" and \
             len({_numbers_blanked(e) for e in similar}) == 1 and '":"' in _squeeze(recent[-1])
 
-    def _complete(self, array: _Array) -> None:
-        if array.start is None:
+    def _complete(self, level: _Level) -> None:
+        if level.start is None:
             return
-        array.recent = (array.recent + [self.text[array.start:].strip()])[-HISTORY:]
-        array.start = None
+        level.recent = (level.recent + [self.text[level.start:self.at].strip()])[-HISTORY:]
+        level.start = None
 
 
+@functools.lru_cache(maxsize=256)  # per request, and requests often share a schema
 def limits_for_schema(schema_text: str | None) -> JsonLimits:
     """The default limits, with the significant-digit bound raised to fit the largest
     numeric bound the schema names (so `maximum: 1e20` integers stay writable)."""
@@ -260,6 +348,39 @@ def limits_for_schema(schema_text: str | None) -> JsonLimits:
         return JsonLimits()
     needed = max((_digits(v) for v in _numeric_bounds(schema)), default=0)
     return JsonLimits(number_digits=max(JsonLimits.number_digits, needed))
+
+
+@functools.lru_cache(maxsize=256)
+def tag_json_begins(tag_text: str) -> tuple[str, ...] | None:
+    """For an xgrammar structural tag (JSON text): the texts after which its JSON content
+    begins (the tags' `begin`s whose content is a JSON schema; tool calls: `<tool_call>\\n
+    {"name": "f", "arguments": `); () when the whole output is one JSON value; None when no
+    JSON content can be followed (free-form content, or text that is not a tag)."""
+    try:
+        tag = json.loads(tag_text)
+    except ValueError:
+        return None
+    fmt = tag.get("format") if isinstance(tag, dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        return ()
+    begins = tuple(dict.fromkeys(_json_begins(tag)))
+    return begins or None
+
+
+def _json_begins(node: object):
+    if isinstance(node, list):
+        for item in node:
+            yield from _json_begins(item)
+    elif isinstance(node, dict):
+        content = node.get("content")
+        begin = node.get("begin")
+        if isinstance(begin, str) and begin and (
+                "schema" in node or isinstance(content, dict) and
+                content.get("type") == "json_schema"):
+            yield begin  # {"type": "tag", "content": {"type": "json_schema"}}, or the
+            return       # older {"begin", "schema", "end"} structures
+        for value in node.values():
+            yield from _json_begins(value)
 
 
 _BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
@@ -288,10 +409,12 @@ def _digits(value: int | float) -> int:
 
 
 def _numbers_blanked(element: str) -> str:
-    """The element with every JSON number outside its strings written as `#`."""
+    """The element with every JSON number outside its strings, and every counter ending a
+    string (`"Item1"`, `"Song 12"`), written as `#`."""
     parts, at = [], 0
     for m in _STRING.finditer(element):
-        parts.append(_NUMBER.sub("#", element[at:m.start()]) + m.group())
+        parts.append(_NUMBER.sub("#", element[at:m.start()]) +
+                     _COUNTER.sub(r"\1#", m.group()))
         at = m.end()
     return "".join(parts) + _NUMBER.sub("#", element[at:])
 

@@ -82,10 +82,13 @@ class Utf8Table:
             allowed[:, token] = True
             self.next_state[:, token] = torch.arange(NUM_STATES, dtype=torch.int8, device="cpu")
         self.masks = _pack(allowed)  # [NUM_STATES, words] int32
+        # the same table as bytes (255: no state), read once per sampled token: a bytes
+        # lookup, where indexing the tensor costs a few microseconds per token
+        self._next = [bytes(row) for row in self.next_state.to(torch.uint8).tolist()]
 
     def advance(self, state: int, token: int) -> int | None:
-        after = int(self.next_state[state, token])
-        return None if after < 0 else after
+        after = self._next[state][token]
+        return None if after == 255 else after
 
 
 def _pack(allowed: torch.Tensor) -> torch.Tensor:

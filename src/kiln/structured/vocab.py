@@ -67,6 +67,17 @@ class Vocabulary:
             self._open = [i for i, t in enumerate(self.texts) if not t.startswith('"')]
         return self._open
 
+    def closing_then(self, chars: str) -> list[int]:
+        """Ids of the tokens that close a string and go on (past whitespace) with one of
+        `chars` (`",`, `" ,`; cached)."""
+        key = '"' + chars
+        ids = self._starting.get(key)
+        if ids is None:
+            ids = [i for i, t in enumerate(self.texts)
+                   if t.startswith('"') and t[1:].lstrip()[:1] in chars and t[1:].strip()]
+            self._starting[key] = ids
+        return ids
+
     def tokenizer_info(self):
         """xgrammar's TokenizerInfo for this vocabulary, and the UTF-8 table from its token
         bytes (built once, on the first grammar's compile thread; thread-safe)."""
