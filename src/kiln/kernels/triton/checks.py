@@ -47,14 +47,15 @@ def check_heads(q: torch.Tensor, k_cache: torch.Tensor) -> int:
     return q.shape[1] // k_cache.shape[1]
 
 
-def check_out(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """The caller's output buffer (shape, dtype and device of `like`), or a new one."""
+def check_out(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """The caller's output buffer (of this shape, dtype and device), or a new one."""
+    shape = tuple(shape)
     if out is None:
-        return torch.empty_like(like)
-    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != device:
         raise ValueError(f"out is {tuple(out.shape)} {out.dtype} on {out.device}; expected "
-                         f"{tuple(like.shape)} {like.dtype} on {like.device}")
+                         f"{shape} {dtype} on {device}")
     if out.stride(-1) != 1:
         raise ValueError("out needs a contiguous last dimension")
     return out
-

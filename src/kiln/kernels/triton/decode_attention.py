@@ -138,7 +138,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     group = _check_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits)
     num_seqs, num_heads, head_dim = q.shape
-    out = check_out(out, q)
+    out = check_out(out, q.shape, q.dtype, q.device)
     if num_seqs == 0:
         return out
     splits = num_splits

@@ -116,7 +116,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     group = _check_prefill(q, k_cache, v_cache, block_table, query_start, query_lens,
                            context_lens, tree_mask)
-    out = check_out(out, q)
+    out = check_out(out, q.shape, q.dtype, q.device)
     num_seqs, head_dim = len(query_lens), q.shape[2]
     if num_seqs == 0 or max_query_len == 0:
         return out
