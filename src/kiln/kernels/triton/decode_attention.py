@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton import INTERPRETED
 from kiln.kernels.triton.checks import (
     check_cache,
     check_heads,
@@ -25,12 +24,9 @@ from kiln.kernels.triton.checks import (
     check_out,
     check_same_device,
 )
-from kiln.kernels.triton.tiles import dot, dot_mode
+from kiln.kernels.triton.tiles import attention_tiles, dot, dot_mode
 
 LOG2E = 1.4426950408889634
-# Key tile: tl.dot needs every side >= 16. Small under the interpreter, so tiny test shapes
-# still cross tile and block boundaries; 64 on a GPU.
-TILE = 16 if INTERPRETED else 64
 
 
 @triton.jit
@@ -149,13 +145,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     precision, upcast = dot_mode(q.dtype)
+    tiles = attention_tiles(q.dtype, head_dim)
     _decode_split_kernel[(num_seqs, k_cache.shape[1], splits)](
         q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), scale * LOG2E, block_size,
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=TILE,
-        PRECISION=precision, UPCAST=upcast)
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=tiles.block_n,
+        PRECISION=precision, UPCAST=upcast, num_warps=tiles.num_warps)
     if splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,

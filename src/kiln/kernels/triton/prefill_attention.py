@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton import INTERPRETED
 from kiln.kernels.triton.checks import (
     check_cache,
     check_heads,
@@ -23,10 +22,7 @@ from kiln.kernels.triton.checks import (
     check_same_device,
 )
 from kiln.kernels.triton.decode_attention import LOG2E
-from kiln.kernels.triton.tiles import dot, dot_mode
-
-TILE_M = 16 if INTERPRETED else 64  # query rows per program
-TILE_N = 16 if INTERPRETED else 64  # keys per loop step
+from kiln.kernels.triton.tiles import attention_tiles, dot, dot_mode
 
 
 @triton.jit
@@ -120,16 +116,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_seqs, head_dim = len(query_lens), q.shape[2]
     if num_seqs == 0 or max_query_len == 0:
         return out
-    tiles = triton.cdiv(max_query_len, TILE_M)
+    tiles = attention_tiles(q.dtype, head_dim)
     precision, upcast = dot_mode(q.dtype)
-    _prefill_kernel[(num_seqs, q.shape[1], tiles)](
+    _prefill_kernel[(num_seqs, q.shape[1], triton.cdiv(max_query_len, tiles.block_m))](
         q, k_cache, v_cache, block_table, query_start, query_lens, context_lens,
         query_lens if tree_mask is None else tree_mask, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), scale * LOG2E, block_size,
-        GROUP=group, HEAD_DIM=head_dim, HAS_TREE=tree_mask is not None, BLOCK_M=TILE_M,
-        BLOCK_N=TILE_N, BLOCK_D=triton.next_power_of_2(head_dim),
-        PRECISION=precision, UPCAST=upcast)
+        GROUP=group, HEAD_DIM=head_dim, HAS_TREE=tree_mask is not None, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        PRECISION=precision, UPCAST=upcast, num_warps=tiles.num_warps)
     return out
 
 

@@ -20,8 +20,16 @@ from kiln.kernels.triton.tiles import dot, dot_mode
 
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 TILE_M = 16  # tl.dot's smallest tile: rows of x past M are masked
-TILE_N = 16 if INTERPRETED else 64
-TILE_K = 32 if INTERPRETED else 128
+TILE_N = 16  # outputs per program: N / 16 programs keep every SM streaming weights
+
+
+def tile_k(dtype: torch.dtype) -> int:
+    """Inputs per loop step: 32 under the interpreter (tiny shapes cross steps); on a GPU the
+    widest step that compiles for sm_90 without spilling (gpu_compile.py): 512 for 16-bit
+    activations, 64 for fp32 (IEEE dot products hold more registers)."""
+    if INTERPRETED:
+        return 32
+    return 64 if dtype == torch.float32 else 512
 
 
 @triton.jit
@@ -64,7 +72,7 @@ def weight_only_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     fp8 = weight.dtype == torch.float8_e4m3fn
     codes = weight.view(torch.uint8) if fp8 else weight
     _gemv_kernel[grid](x, codes, scale, out, rows, cols, inner, x.stride(0), weight.stride(0),
-                       out.stride(0), BLOCK_M=TILE_M, BLOCK_N=TILE_N, BLOCK_K=TILE_K,
+                       out.stride(0), BLOCK_M=TILE_M, BLOCK_N=TILE_N, BLOCK_K=tile_k(x.dtype),
                        FP8=fp8, PRECISION=precision, UPCAST=upcast)
     return out
 

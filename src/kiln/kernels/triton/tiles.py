@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -29,3 +31,24 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     else:
         result = tl.dot(a, b, input_precision=PRECISION)
     return result
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """Tile sizes and warps of the attention kernels for one dtype and head dim."""
+
+    block_m: int  # query rows per prefill program (tl.dot needs >= 16)
+    block_n: int  # keys per loop step
+    num_warps: int
+
+
+def attention_tiles(dtype: torch.dtype, head_dim: int) -> AttentionTiles:
+    """Under the interpreter, 16 (tiny test shapes still cross tile and block boundaries).
+    On a GPU, chosen by compiling for sm_90 (tests/kernels/triton/gpu_compile.py) to keep
+    registers from spilling: 16-bit inputs 64 x 64 tiles, 8 warps past head dim 64; fp32 (a
+    parity mode: IEEE dot products run without tensor cores) 32 x 32 on 8 warps."""
+    if INTERPRETED:
+        return AttentionTiles(16, 16, 4)
+    if dtype == torch.float32:
+        return AttentionTiles(32, 32, 8)
+    return AttentionTiles(64, 64, 8 if head_dim > 64 else 4)
