@@ -26,8 +26,7 @@ def test_every_kernel_compiles_for_sm90():
     lines = done.stdout.splitlines()
     for kernel in KERNELS:
         assert any(line.startswith(kernel + " ") for line in lines), kernel
-    # 16-bit attention and GEMV kernels keep (nearly) everything in registers
+    # the tiles of the 16-bit launches were chosen so that nothing spills (attention_tiles)
     for line in lines:
         if " *bf16 " in line:
-            stack = int(line.split("stack ")[1].split(" ")[0])
-            assert stack <= 64, line
+            assert "stack 0 bytes" in line, line

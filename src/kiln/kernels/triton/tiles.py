@@ -44,11 +44,12 @@ class AttentionTiles:
 
 def attention_tiles(dtype: torch.dtype, head_dim: int) -> AttentionTiles:
     """Under the interpreter, 16 (tiny test shapes still cross tile and block boundaries).
-    On a GPU, chosen by compiling for sm_90 (tests/kernels/triton/gpu_compile.py) to keep
-    registers from spilling: 16-bit inputs 64 x 64 tiles, 8 warps past head dim 64; fp32 (a
-    parity mode: IEEE dot products run without tensor cores) 32 x 32 on 8 warps."""
+    On a GPU, chosen by compiling for sm_90 with Triton 3.7.1 and 3.9
+    (tests/kernels/triton/gpu_compile.py) to keep registers from spilling: 16-bit inputs 64
+    query rows on 8 warps, keys 64 a step (32 past head dim 64); fp32 (a parity mode: IEEE dot
+    products run without tensor cores) 32 x 32 on 8 warps."""
     if INTERPRETED:
         return AttentionTiles(16, 16, 4)
     if dtype == torch.float32:
         return AttentionTiles(32, 32, 8)
-    return AttentionTiles(64, 64, 8 if head_dim > 64 else 4)
+    return AttentionTiles(64, 32 if head_dim > 64 else 64, 8)
