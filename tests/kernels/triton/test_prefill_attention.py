@@ -15,7 +15,7 @@ from tests.kernels.triton.common import DEVICES, DTYPES, close, paged_batch
 CASES = [
     (2, 2, 64, 16, [0, 0], [19, 5]),  # plain prompts, one past a 16-row tile
     (4, 2, 128, 8, [21, 3], [6, 17]),  # a prefix longer than its chunk; a short prefix
-    (8, 2, 64, 4, [0, 30, 7], [3, 1, 10]),  # a decode row among chunks
+    (8, 2, 64, 4, [0, 30, 7, 5], [3, 1, 10, 0]),  # a decode row among chunks; an idle row
     (4, 1, 128, 16, [40], [2]),
 ]
 
