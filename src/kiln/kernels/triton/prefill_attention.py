@@ -46,27 +46,31 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_star
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_TREE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    # program (sequence, query head, tile of BLOCK_M query rows); online softmax over keys
-    seq, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # program (sequence, kv head, tile of BLOCK_M rows); online softmax over keys. A row is a
+    # (query token, query head of the kv head's group) pair, token-major: the group shares
+    # each K/V tile it loads, and a short query (decode, a draft tree) fills GROUP rows a token
+    seq, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     query_len = tl.load(query_lens_ptr + seq).to(tl.int32)
-    if tile * BLOCK_M < query_len:
+    if tile * BLOCK_M < query_len * GROUP:
         first_row = tl.load(query_start_ptr + seq).to(tl.int64)
         context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-        kv_head = head // GROUP
-        idx = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        idx = pair // GROUP  # the token's index in the chunk
+        head = kv_head * GROUP + pair % GROUP
         row_mask = idx < query_len
         rows = first_row + idx
         d = tl.arange(0, BLOCK_D)
         qd_mask = row_mask[:, None] & (d < HEAD_DIM)[None, :]
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
-                    mask=qd_mask, other=0.0)
+        q_offs = rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + q_offs, mask=qd_mask, other=0.0)
         q_pos = context_len + idx
         if HAS_TREE:  # a tree row may see any chunk token its bits name
             bits = tl.load(tree_ptr + rows, mask=row_mask, other=0).to(tl.int64)
             end = context_len + query_len
         else:
             bits = tl.zeros([BLOCK_M], tl.int64)
-            end = context_len + tl.minimum(query_len, (tile + 1) * BLOCK_M)
+            last_token = ((tile + 1) * BLOCK_M - 1) // GROUP
+            end = context_len + tl.minimum(query_len, last_token + 1)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -91,8 +95,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_star
             acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION, UPCAST)
             m = m_new
         acc = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=qd_mask)
+        o_offs = rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=qd_mask)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -118,7 +122,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     tiles = attention_tiles(q.dtype, head_dim)
     precision, upcast = dot_mode(q.dtype)
-    _prefill_kernel[(num_seqs, q.shape[1], triton.cdiv(max_query_len, tiles.block_m))](
+    grid = (num_seqs, k_cache.shape[1], triton.cdiv(max_query_len * group, tiles.block_m))
+    _prefill_kernel[grid](
         q, k_cache, v_cache, block_table, query_start, query_lens, context_lens,
         query_lens if tree_mask is None else tree_mask, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
