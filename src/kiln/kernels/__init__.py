@@ -7,8 +7,8 @@ calls them, each tested against that reference (tests/kernels/, one file per op 
 - `quant_mm`, `bf16_mm`: which matmul kernel serves quantized and dense bf16 weights on this
   CPU (torch's, oneDNN's or kiln's), their token limits, and the probes that say whether each
   runs here.
-- GPU kernels will sit beside these (a `triton/` package), each beside the torch reference it
-  must match and runnable on CPU in the interpreter for tests.
+- `triton/`: the GPU kernels, in Triton, each beside the torch reference it must match and run
+  on CPU by Triton's interpreter in tests (docs/triton_kernels.md).
 
 This package is a leaf: it imports torch and nothing else of kiln, so models, runner and the
 platform seam can all use it.
