@@ -167,3 +167,32 @@ def test_onednn_lm_head_and_dequantized_int8_run_amx_where_present():
     x, wq, scale = int8_problem(64)
     ran = onednn_implementations(lambda: quant_mm.int8_dequantized_mm(x, wq, scale))
     assert ran and all(r.endswith(expected_bf16_kernel()) for r in ran), ran
+
+
+# -- in the engine ---------------------------------------------------------------------------------
+
+
+@needs_cpu_kernels
+def test_greedy_decode_is_the_same_with_the_lm_head_on_either_path(llama_path, monkeypatch):
+    """A bf16 model's logits through oneDNN's LM head path (the rule forced to 1 row, as an AMX
+    CPU would route batched decode) give the same greedy tokens as kiln's kernel."""
+    from kiln import LLM, SamplingParams
+
+    llm = LLM(llama_path, dtype="bfloat16", kv_cache_memory=8 << 20, num_threads=2,
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [1, 5, 9, 14, 3, 7]}, {"prompt_token_ids": list(range(2, 30))}]
+
+    def decode() -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    on_kiln = decode()
+    calls, onednn = [], bf16_mm.onednn_bf16_linear_fp32
+
+    def counted(x, weight):
+        calls.append(x.shape[0])
+        return onednn(x, weight)
+
+    monkeypatch.setattr(bf16_mm, "onednn_bf16_linear_fp32", counted)
+    monkeypatch.setattr(bf16_mm, "gemm_dispatch", lambda: GemmDispatch(1))
+    assert decode() == on_kiln and calls
