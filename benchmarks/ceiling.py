@@ -16,6 +16,10 @@ ceiling they imply for the default model, so every speed figure is also a fracti
   default model's shapes, microseconds per call of kiln's path and oneDNN's at each row count
   of `--rows`, and the first row count from which oneDNN stays faster: the figure for
   KernelTuning.amx_min_tokens on this CPU.
+- The dense bf16 layers by rows: oneDNN's prepacked linear at the default model's MLP shape,
+  weights cycled through copies so they come from memory as in decode, µs per call and the
+  kernel oneDNN picked at each row count; on AMX CPUs again capped at AVX512-BF16, which says
+  whether AMX helps or hurts at decode's few rows (oneDNN serves those layers at every M).
 - Decode ceiling: bytes one batch-1 decode step reads (the checkpoint's weights; with tied
   embeddings the table is the LM head, read whole; the KV cache, small at short context, is
   left out) / bandwidth = tokens per second.
@@ -208,6 +212,42 @@ def crossover(model_dir: Path, rows: list[int], runs: int) -> list[dict]:
     return report
 
 
+# -- dense bf16 layers by rows ---------------------------------------------------------------------
+
+
+def dense_rows(model_dir: Path, rows: list[int], runs: int, copies: int = 64) -> dict:
+    """µs per call and oneDNN's kernel for the prepacked MLP up-projection at each row count,
+    cycling through `copies` packed weights (64 x 1.8 MB: more than a 2-core slice's cache)."""
+    if not onednn_available(torch.bfloat16):
+        return {}
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(inter, hidden).bfloat16(), 1)
+              for _ in range(copies)]
+    report = {}
+    for m in rows:
+        x, turn = torch.randn(m, hidden).bfloat16(), [0]
+
+        def call(x=x, turn=turn):
+            turn[0] = (turn[0] + 1) % copies
+            return torch.ops.mkldnn._linear_pointwise(x, packed[turn[0]], None, "none", [], "")
+
+        per_call = median_seconds(lambda: [call() for _ in range(copies)], runs) / copies
+        report[m] = {"us": round(per_call * 1e6, 1),
+                     "kernel": " ".join(sorted(set(onednn_implementations(call))))}
+    return report
+
+
+def capped_dense(args: argparse.Namespace) -> dict:
+    """`dense_rows` in a child process with oneDNN capped below AMX."""
+    out = subprocess.run([sys.executable, __file__, "--child-dense", "--rows", args.rows,
+                          "--runs", str(args.runs), "--threads", str(args.threads),
+                          "--model", str(args.model)],
+                         env=dict(os.environ, ONEDNN_MAX_CPU_ISA=NO_AMX_CAP),
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 # -- decode ceiling --------------------------------------------------------------------------------
 
 
@@ -273,8 +313,13 @@ def main() -> None:
                         help="checkpoint directory (default: the bundled default model)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/ceiling.json"))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-dense", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",") if r]
+    if args.child_dense:  # `dense_rows` for the capped run, as JSON on stdout
+        print(json.dumps(dense_rows(args.model, rows, args.runs)))
+        return
     if args.child is not None:  # one product for `capped`, as JSON on stdout
         print(json.dumps([asdict(f) for f in matrix_peak(args.size, args.runs, args.child)]))
         return
@@ -285,37 +330,54 @@ def main() -> None:
         from kiln.models.default import default_model_path
 
         args.model = default_model_path()
-    bw = bandwidth(args.buffer_mib, args.runs, not args.no_cpp)
-    matrix = matrix_peak(args.size, args.runs)
-    if "amx-bf16" in isa.extensions:  # the AVX-512 figure beside the AMX one
-        matrix += capped(args.size, args.runs, args.threads,
-                         [f.name for f in matrix if "oneDNN" in f.name])
-    rows = [int(r) for r in args.rows.split(",") if r]
-    crossing = crossover(args.model, rows, args.runs) if rows else []
-    nbytes = decode_bytes(args.model)
-    result = {
-        "cpu": {"model": isa.model_name, "vendor": isa.vendor, "family": isa.family,
-                "model_id": isa.model, "isa": list(isa.extensions), "level": isa.level},
-        "threads": args.threads, "size": args.size, "runs": args.runs,
-        "buffer_mib": args.buffer_mib, "bandwidth_gb_s": bw,
-        "matrix": [asdict(f) for f in matrix], "crossover": crossing,
-        "decode": {"model": str(args.model), "megabytes": round(nbytes / 1e6, 1),
-                   "tok_s": round(bw["best"] * 1e9 / nbytes, 1)},
-        "torch": torch.__version__,
-    }
-    print("read bandwidth: " + ", ".join(f"{k} {v} GB/s" for k, v in bw.items()))
-    for f in matrix:
-        print(f"  {f.name:<48} {f.tflops:8.3f} TFLOP/s   {f.kernel}")
-    for c in crossing:
-        print(f"  {c['gemm']}: oneDNN faster from {c['onednn_from_rows']} rows; µs kiln/oneDNN "
-              + ", ".join(f"{m}: {v['kiln']}/{v['onednn']}" for m, v in c["us"].items()))
-    print(f"batch-1 decode ceiling: {result['decode']['megabytes']} MB per token / "
-          f"{bw['best']} GB/s = {result['decode']['tok_s']} tok/s")
+    result = measure(args, rows)
+    print_report(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
+
+def measure(args: argparse.Namespace, rows: list[int]) -> dict:
+    """Every figure of the module docstring, as the JSON the run writes."""
+    isa = cpu_isa()
+    bw = bandwidth(args.buffer_mib, args.runs, not args.no_cpp)
+    matrix = matrix_peak(args.size, args.runs)
+    dense = {"default": dense_rows(args.model, rows, args.runs)}
+    if "amx-bf16" in isa.extensions:  # the AVX-512 figures beside the AMX ones
+        matrix += capped(args.size, args.runs, args.threads,
+                         [f.name for f in matrix if "oneDNN" in f.name])
+        if rows:
+            dense[f"cap {NO_AMX_CAP}"] = capped_dense(args)
+    nbytes = decode_bytes(args.model)
+    return {
+        "cpu": {"model": isa.model_name, "vendor": isa.vendor, "family": isa.family,
+                "model_id": isa.model, "isa": list(isa.extensions), "level": isa.level},
+        "threads": args.threads, "size": args.size, "runs": args.runs,
+        "buffer_mib": args.buffer_mib, "bandwidth_gb_s": bw,
+        "matrix": [asdict(f) for f in matrix],
+        "crossover": crossover(args.model, rows, args.runs) if rows else [],
+        "dense_by_rows": dense,
+        "decode": {"model": str(args.model), "megabytes": round(nbytes / 1e6, 1),
+                   "tok_s": round(bw["best"] * 1e9 / nbytes, 1)},
+        "torch": torch.__version__,
+    }
+
+
+def print_report(result: dict) -> None:
+    bw = result["bandwidth_gb_s"]
+    print("read bandwidth: " + ", ".join(f"{k} {v} GB/s" for k, v in bw.items()))
+    for f in result["matrix"]:
+        print(f"  {f['name']:<48} {f['tflops']:8.3f} TFLOP/s   {f['kernel']}")
+    for c in result["crossover"]:
+        print(f"  {c['gemm']}: oneDNN faster from {c['onednn_from_rows']} rows; µs kiln/oneDNN "
+              + ", ".join(f"{m}: {v['kiln']}/{v['onednn']}" for m, v in c["us"].items()))
+    for isa_name, by_rows in result["dense_by_rows"].items():
+        print(f"  dense bf16 MLP layer, oneDNN {isa_name}: "
+              + ", ".join(f"{m}: {v['us']} µs {v['kernel']}" for m, v in by_rows.items()))
+    decode = result["decode"]
+    print(f"batch-1 decode ceiling: {decode['megabytes']} MB per token / {bw['best']} GB/s = "
+          f"{decode['tok_s']} tok/s")
 
 if __name__ == "__main__":
     main()
