@@ -1,7 +1,9 @@
 """Matmuls on dense bf16 weights on CPU: whether oneDNN's prepacked bf16 path runs here, and
 kiln's bf16_gemm (fp32 arithmetic) for CPUs without bf16 instructions, beside torch's matmul
-as the reference. The linear methods that use them live in kiln.models.layers (onednn.py,
-cpu_bf16.py). Tests: tests/kernels/test_gemm.py.
+as the reference; the LM head's fp32-output product on kiln's kernel or, on AMX CPUs past the
+dispatch's row count (kiln.kernels.isa.gemm_dispatch), oneDNN's AMX GEMM. The linear methods
+that use them live in kiln.models.layers (onednn.py, cpu_bf16.py). Tests:
+tests/kernels/test_gemm.py, tests/kernels/test_amx_dispatch.py.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels import cpu
-from kiln.kernels.isa import kernel_tuning
+from kiln.kernels.isa import GemmPath, gemm_dispatch, kernel_tuning
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +60,42 @@ def widened_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def bf16_linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight bf16 [N, K]^T as fp32 [M, N], from the fp32 sums, never rounded to
     bf16 (the LM head's logits): kiln's `bf16_gemm_f32` (AVX512-BF16 dot products on bf16 x
-    where the CPU has them), else torch's matmul on widened copies (the reference)."""
-    if weight.dtype == torch.bfloat16 and x.device.type == "cpu" and cpu.load():
+    where the CPU has them), on AMX CPUs oneDNN's AMX GEMM from the dispatch's row count on,
+    else torch's matmul on widened copies (the reference).
+
+    A token's logits do not depend on its batch within either path; on AMX CPUs they may
+    differ in the last fp32 bit between a batch below the row count and one above it."""
+    if weight.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return F.linear(x.float(), weight.float())
+    if x.dtype == torch.bfloat16 and gemm_dispatch().path(x.shape[0]) is GemmPath.ONEDNN:
+        return onednn_bf16_linear_fp32(x, weight)
+    if cpu.load():
         return torch.ops.kiln.bf16_gemm_f32(x, weight)
     return F.linear(x.float(), weight.float())
+
+
+# rows of the weight widened to fp32 at a time (4 MB: the copy stays in cache for the GEMM)
+_WIDENED_TILE_ELEMENTS = 1 << 20
+
+
+def onednn_bf16_linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`bf16_linear_fp32` on oneDNN: torch's bf16 linear cannot write fp32, so both operands
+    are widened to fp32 (exactly: they are bf16 values) and multiplied with oneDNN's "bf16"
+    fp32 precision (fpmath mode bf16), which lets it round fp32 inputs to bf16, a no-op here,
+    and run its bf16 kernels with fp32 sums and an fp32 output: AMX tiles where the CPU has
+    them (elsewhere oneDNN keeps fp32 FMAs, the same values up to summation order). The weight
+    is widened a row tile at a time, so the fp32 copy is never the whole matrix."""
+    xf = x.float()
+    step = max(1, _WIDENED_TILE_ELEMENTS // weight.shape[1])
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "bf16"
+        tiles = [F.linear(xf, weight[r:r + step].float())
+                 for r in range(0, weight.shape[0], step)]
+    finally:
+        matmul.fp32_precision = before
+    return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-1)
 
 
 def _kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

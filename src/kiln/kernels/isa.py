@@ -9,13 +9,27 @@ LM head, how many tokens a GEMV kernel takes before a GEMM wins) asks `cpu_isa()
 `kernel_tuning()` is where a per-CPU choice goes: TUNINGS maps a CPU (vendor, family, model)
 or, failing that, its best ISA level to the kernel parameters measured best there. Today every
 CPU gets the defaults (a later issue measures and fills the table).
+
+`gemm_dispatch()` is the rule between kiln's AVX-512 kernels and oneDNN's GEMM (through torch)
+by the number of rows M: on CPUs with AMX, oneDNN serves from `amx_min_tokens` rows on (its
+kernels there are AMX tile ones), kiln's kernels below; elsewhere each caller keeps its own
+limits. It is logged once, the first time a GEMM asks. docs/decisions/0011 says why.
+`onednn_implementations(fn)` names the oneDNN kernels `fn` runs (what ONEDNN_VERBOSE prints):
+the tests and benchmarks/ceiling.py use it to check that AMX is really what runs.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
+import logging
+import os
 import platform
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 # /proc/cpuinfo flag -> the name kiln reports, best first
 EXTENSIONS = (
@@ -93,6 +107,10 @@ class KernelTuning:
 
     bf16_gemm_max_tokens: int = 32  # kiln's bf16_gemm up to here, widened fp32 GEMM beyond
     int8_gemv_max_tokens: int = 8  # kiln's int8_gemv up to here, torch's int8 kernel beyond
+    # on AMX CPUs: oneDNN's GEMM (AMX tiles) from this many rows on, kiln's/torch's AVX-512
+    # kernels below. Not yet measured on an AMX machine: 16 fills one AMX tile's 16 rows, so a
+    # smaller M wastes most of each tile multiply (SGLang's CPU kernels switch at M > 4).
+    amx_min_tokens: int = 16
 
 
 DEFAULT_TUNING = KernelTuning()
@@ -106,3 +124,84 @@ def kernel_tuning(isa: CpuIsa | None = None) -> KernelTuning:
     isa = isa or cpu_isa()
     return (TUNINGS.get((isa.vendor, isa.family, isa.model)) or TUNINGS.get(isa.level)
             or DEFAULT_TUNING)
+
+
+class GemmPath(enum.Enum):
+    """Which kernel family serves a GEMM of a given row count."""
+
+    KILN = "kiln"  # kiln's (or torch's own vectorized) AVX-512/AVX2 kernels: GEMV-sized M
+    ONEDNN = "onednn"  # oneDNN's GEMM through torch: AMX tile kernels where the CPU has them
+
+
+@dataclass(frozen=True)
+class GemmDispatch:
+    """The M rule: oneDNN from `onednn_min_tokens` rows on; None where the CPU has no AMX
+    (each caller then keeps its own limits, measured on AVX-512 and AVX2 CPUs)."""
+
+    onednn_min_tokens: int | None
+
+    def path(self, tokens: int) -> GemmPath:
+        if self.onednn_min_tokens is not None and tokens >= self.onednn_min_tokens:
+            return GemmPath.ONEDNN
+        return GemmPath.KILN
+
+    def describe(self) -> str:
+        if self.onednn_min_tokens is None:
+            return "no AMX: kiln's AVX-512/AVX2 GEMM limits"
+        return (f"oneDNN AMX GEMM from {self.onednn_min_tokens} rows, kiln's AVX-512 kernels "
+                f"below")
+
+
+def dispatch_for(isa: CpuIsa, tuning: KernelTuning, override: str | None = None) -> GemmDispatch:
+    """The rule for `isa`: AMX-BF16 CPUs switch at the tuned row count; `override` (the
+    KILN_AMX_MIN_TOKENS environment variable: a row count, or "off") replaces it."""
+    if override is not None and override.strip().lower() == "off":
+        return GemmDispatch(None)
+    if "amx-bf16" not in isa.extensions:
+        return GemmDispatch(None)
+    if override is None:
+        return GemmDispatch(tuning.amx_min_tokens)
+    if not override.strip().isdigit() or int(override) < 1:
+        raise ValueError(f"KILN_AMX_MIN_TOKENS must be a row count >= 1 or 'off', "
+                         f"not {override!r}")
+    return GemmDispatch(int(override))
+
+
+@functools.cache
+def gemm_dispatch() -> GemmDispatch:
+    """This machine's rule, decided and logged once per process."""
+    rule = dispatch_for(cpu_isa(), kernel_tuning(), os.environ.get("KILN_AMX_MIN_TOKENS"))
+    log.info("GEMM dispatch (%s): %s", cpu_isa().level, rule.describe())
+    return rule
+
+
+def onednn_implementations(fn: Callable[[], object]) -> list[str]:
+    """The oneDNN primitives `fn()` runs, one "kind:implementation" per execution (e.g.
+    "inner_product:brg_matmul:avx512_core_amx", "reorder:jit:uni"; "gemm_api:" for oneDNN's
+    BLAS-like gemm, whose verbose line names no kernel), read from oneDNN's verbose output.
+
+    oneDNN prints to the process's stdout (file descriptor 1), so it is redirected to a file
+    for the call. Primitives created before the call and cached by torch still print their
+    executions; nothing runs twice.
+    """
+    import torch
+
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        saved = os.dup(1)
+        try:
+            os.dup2(sink.fileno(), 1)
+            with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                fn()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        sink.seek(0)
+        lines = sink.read().decode(errors="replace").splitlines()
+    return [_implementation(line) for line in lines if ",exec,cpu," in line]
+
+
+def _implementation(line: str) -> str:
+    # onednn_verbose,v1,primitive,exec,cpu,<kind>,<implementation>,<prop>,...
+    fields = line.split(",")
+    at = fields.index("cpu")
+    return f"{fields[at + 1]}:{fields[at + 2]}"

@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from kiln.kernels import cpu
-from kiln.kernels.isa import kernel_tuning
+from kiln.kernels.isa import GemmPath, gemm_dispatch, kernel_tuning
 
 # When torch's int8 weight-only kernel pays off on CPU (measured on 576x1536 and 1536x576,
 # one thread, torch 2.13): with bf16 activations it is 3-10x faster than dequantize + matmul
@@ -24,11 +25,40 @@ INT8_WEIGHT_ONLY_MAX_TOKENS = 32
 
 def int8_weight_only_mm(x: torch.Tensor, weight: torch.Tensor,
                         scale: torch.Tensor) -> torch.Tensor | None:
-    """x [M, K] float @ (weight int8 [N, K] * scale [N, 1])^T -> [M, N] in x's dtype."""
-    if (not hasattr(torch, "_weight_int8pack_mm") or x.device.type != "cpu"
-            or x.dtype not in INT8_WEIGHT_ONLY_DTYPES or x.shape[0] > INT8_WEIGHT_ONLY_MAX_TOKENS):
+    """x [M, K] float @ (weight int8 [N, K] * scale [N, 1])^T -> [M, N] in x's dtype, for
+    bf16/fp16 x of up to INT8_WEIGHT_ONLY_MAX_TOKENS rows: torch's AVX-512 kernel, or on AMX
+    CPUs from the dispatch's row count on (kiln.kernels.isa.gemm_dispatch) the weights
+    dequantized to bf16 through oneDNN's AMX GEMM. None beyond: the caller's dequantize +
+    matmul, which is the same oneDNN GEMM."""
+    if (x.device.type != "cpu" or x.dtype not in INT8_WEIGHT_ONLY_DTYPES
+            or x.shape[0] > INT8_WEIGHT_ONLY_MAX_TOKENS):
+        return None
+    if x.dtype == torch.bfloat16 and gemm_dispatch().path(x.shape[0]) is GemmPath.ONEDNN:
+        return int8_dequantized_mm(x, weight, scale)
+    return int8_weight_only_kernel_mm(x, weight, scale)
+
+
+def int8_weight_only_kernel_mm(x: torch.Tensor, weight: torch.Tensor,
+                               scale: torch.Tensor) -> torch.Tensor | None:
+    """torch's `_weight_int8pack_mm` (AVX-512 fp32 FMAs, no AMX) at any M; None without it."""
+    if not hasattr(torch, "_weight_int8pack_mm"):
         return None
     return torch._weight_int8pack_mm(x.contiguous(), weight, scale.reshape(-1).to(x.dtype))
+
+
+# rows of W dequantized at a time: bounds the bf16 copy (an LM-head-sized layer would be 57 MB)
+_DEQUANTIZED_TILE_ELEMENTS = 1 << 22
+
+
+def int8_dequantized_mm(x: torch.Tensor, weight: torch.Tensor,
+                        scale: torch.Tensor) -> torch.Tensor:
+    """The oneDNN path of int8 weights: W = weight * scale dequantized in fp32 and rounded
+    once to x's dtype (as kiln.quant's reference does), then torch's matmul, which is oneDNN's
+    GEMM for bf16 (AMX tiles where the CPU has them), a row tile of W at a time."""
+    step = max(1, _DEQUANTIZED_TILE_ELEMENTS // weight.shape[1])
+    tiles = [F.linear(x, (weight[r:r + step].float() * scale[r:r + step].reshape(-1, 1).float())
+                      .to(x.dtype)) for r in range(0, weight.shape[0], step)]
+    return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-1)
 
 
 # kiln's own int8 weight-only kernel (`torch.ops.kiln.int8_gemv`, kiln/kernels/cpu): each

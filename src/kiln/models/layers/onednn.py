@@ -5,7 +5,10 @@ on AVX-512 CPUs; oneDNN's prepacked layout feeds the bf16 dot-product instructio
 is as fast or faster at every batch size we measured (docs/decisions/0001). Once packed, the plain
 weight is released (the model is held once, not twice); `dense_weight(layer)` unpacks a copy for
 the few readers that want W itself (speculator heads reading LM head rows, quantization, tests).
-Whether it runs here: kiln.kernels.bf16_mm.onednn_available.
+Whether it runs here: kiln.kernels.bf16_mm.onednn_available. oneDNN picks its kernel for the
+CPU at every token count: AVX512-BF16 dot products on Zen 4, AMX tiles on Xeons that have them
+(the packed layout is the one both read; tests/kernels/test_amx_dispatch.py checks which kernel
+runs and that no call repacks the weight; docs/decisions/0011).
 """
 
 from __future__ import annotations
