@@ -147,6 +147,19 @@ def test_bf16_with_cpu_kernels_stays_close_to_hf_fp32(moe_ckpt, model_type):
                             prompt_logprobs=3)
     out = llm.generate([{"prompt_token_ids": ids}], params)[0]
     assert_logprobs_match(hf_model(path), ids, out, atol=0.25)
+    # where the platform offers the fused decoder stack, the MoE layers decline it
+    assert llm.engine.runner.stack is None
+
+
+def test_int8_experts_load_through_the_quantized_format(moe_ckpt):
+    """`quantization="int8"` reaches every expert's linears (the router stays dense)."""
+    llm = LLM(moe_ckpt("qwen3_moe"), dtype="float32", kv_cache_memory=8 << 20, num_threads=1,
+              quantization="int8")
+    block = llm.engine.runner.model.model.layers[0].mlp
+    assert {type(e.gate_up_proj.method).__name__ for e in block.experts} == {"Int8LinearMethod"}
+    assert block.gate.weight.dtype == torch.float32
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate(PROMPTS[:2], params)[1].outputs[0].token_ids) == 4
 
 
 @pytest.mark.parametrize("model_type, field, value", [
