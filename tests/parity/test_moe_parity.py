@@ -167,7 +167,7 @@ def test_int8_experts_load_through_the_quantized_format(moe_ckpt):
     ("qwen3_moe", "n_group", 8),  # grouped top-k
     ("mixtral", "kv_lora_rank", 512),  # multi-head latent attention
     ("mixtral", "router_type", "expert_choice"),  # a routing option kiln has never seen
-    ("qwen2_moe", "use_sliding_window", True),
+    ("qwen2_moe", "hidden_act", "gelu"),
     ("mixtral", "num_experts_per_tok", 9),  # more than the 8 experts
 ])
 def test_unsupported_variant_fails_at_load_naming_the_field(tmp_path, moe_ckpt, model_type,

@@ -4,7 +4,8 @@ Each block is Llama's, x + Attn(RMSNorm(x)) then h + MoE(RMSNorm(h)), where the 
 routes every token to the top 2 of 8 SwiGLU experts by a softmax router and sums their outputs
 weighted by the two scores renormalized to 1 (kiln.models.layers.moe). HF names the block
 `block_sparse_moe` and an expert's projections w1 (gate), w3 (up) and w2 (down); kiln fuses
-w1 and w3 into one `gate_up_proj` per expert, as it fuses gate and up in dense layers.
+w1 and w3 into one `gate_up_proj` per expert, as it fuses gate and up in dense layers. A
+sliding window caps `max_model_len` to it (kiln.engine.core), as for Mistral.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from kiln.models.layers.moe import (
     RouterSpec,
     Scoring,
     SparseMoeBlock,
-    UnsupportedVariant,
     check_moe_fields,
 )
 from kiln.models.llama import PACKED_MODULES, LlamaArch, LlamaDecoderLayer, LlamaForCausalLM
@@ -41,18 +41,10 @@ class MixtralArch(LlamaArch):
     def from_hf(cls, cfg: dict, arch: str) -> MixtralArch:
         check_moe_fields(cfg, _KNOWN_FIELDS, "Mixtral")
         base = LlamaArch.from_hf(cfg, arch)
-        _check_no_sliding_window(cfg, base.max_position_embeddings)
         router = RouterSpec(num_experts=cfg["num_local_experts"],
                             top_k=cfg.get("num_experts_per_tok", 2), scoring=Scoring.SOFTMAX,
                             normalize_top_k=True)
         return cls(**asdict(base), moe=MoeShape(base.hidden_size, base.intermediate_size, router))
-
-
-def _check_no_sliding_window(cfg: dict, max_positions: int) -> None:
-    window = cfg.get("sliding_window")
-    if window is not None and window < max_positions:
-        raise UnsupportedVariant("sliding_window", f"a {window}-token attention window is not "
-                                 f"supported by kiln's Mixtral (it attends to the whole context)")
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):

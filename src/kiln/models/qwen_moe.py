@@ -39,7 +39,6 @@ class QwenMoeArch(LlamaArch):
     def from_hf(cls, cfg: dict, arch: str) -> QwenMoeArch:
         family = arch.removesuffix("ForCausalLM")
         check_moe_fields(cfg, _KNOWN_FIELDS, family)
-        _check_no_sliding_window(cfg, family)
         qwen2 = arch == "Qwen2MoeForCausalLM"
         base = asdict(LlamaArch.from_hf(cfg, arch))
         base.update(qkv_bias=cfg.get("qkv_bias", True) if qwen2 else base["qkv_bias"],
@@ -60,15 +59,6 @@ def _sparse_layers(cfg: dict, num_layers: int) -> frozenset[int]:
     if step < 1:
         raise UnsupportedVariant("decoder_sparse_step", f"{step}; need >= 1")
     return frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-
-
-def _check_no_sliding_window(cfg: dict, family: str) -> None:
-    if cfg.get("use_sliding_window"):
-        raise UnsupportedVariant("use_sliding_window", f"sliding-window attention is not "
-                                 f"supported by kiln's {family}")
-    if "sliding_attention" in (cfg.get("layer_types") or ()):
-        raise UnsupportedVariant("layer_types", f"sliding-attention layers are not supported "
-                                 f"by kiln's {family}")
 
 
 class QwenMoeDecoderLayer(LlamaDecoderLayer):
