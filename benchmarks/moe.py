@@ -136,8 +136,8 @@ def measure(path: str, fmt: str, prompts: list[list[int]], s: Shape, reps: int,
                  out_tok_s=round(len(prompts) * s.new_tokens / many, 1))]
 
 
-def run_measure(root: Path, name: str, fmt: str, args) -> list[dict]:
-    cmd = [sys.executable, __file__, "--measure", name, "--dir", str(root), "--formats", fmt,
+def run_measure(name: str, fmt: str, args) -> list[dict]:
+    cmd = [sys.executable, __file__, "--measure", name, "--dir", args.dir, "--formats", fmt,
            "--reps", str(args.reps), "--threads", str(args.threads)] + (
         ["--tiny"] if args.tiny else [])
     env = os.environ | KILN_BIND | {"PYTHONPATH": str(ROOT / "src")}
@@ -207,7 +207,7 @@ def main() -> None:
         return
     make_checkpoints(root, shape)
     rows = [row for name in ("moe", "dense") for fmt in args.formats.split(",")
-            for row in run_measure(root, name, fmt, args)]
+            for row in run_measure(name, fmt, args)]
     rows += ratios(rows) + (llamacpp_rows(root, args) if args.llamacpp else [])
     for row in rows:
         print(json.dumps(row))
