@@ -94,9 +94,17 @@ class Router(nn.Module):
         return route(logits, self.spec)
 
 
+# score function of each Scoring: fp32 logits [T, E] -> scores [T, E]
+_SCORE_FUNCTIONS: Mapping[Scoring, Callable[[torch.Tensor], torch.Tensor]] = {
+    Scoring.SOFTMAX: lambda logits: torch.softmax(logits, dim=-1),
+}
+
+
 def route(logits: torch.Tensor, spec: RouterSpec) -> Routing:
-    """The top-k choice from router logits [T, E] (the exact-value unit tests call this)."""
-    scores = torch.softmax(logits.float(), dim=-1)  # Scoring.SOFTMAX, the only one so far
+    """The top-k choice from router logits [T, E] (the exact-value unit tests call this).
+    Grouped top-k and a selection bias would choose `experts` here from biased, group-masked
+    scores while `weights` still gather the plain ones (DeepSeek-V3)."""
+    scores = _SCORE_FUNCTIONS[spec.scoring](logits.float())
     weights, experts = scores.topk(spec.top_k, dim=-1)
     if spec.normalize_top_k:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -135,12 +143,11 @@ class FusedExperts(nn.ModuleList):
         # (token, slot) pairs sorted by expert: each expert's rows form one contiguous run
         sorted_ids, order = routing.experts.flatten().sort(stable=True)
         permuted = x[order // k]  # [T*k, H]
-        out = torch.empty_like(permuted)
-        start = 0
-        for expert, count in active_runs(sorted_ids):
-            rows = slice(start, start + count)
-            out[rows] = self[expert](permuted[rows])
+        outs, start = [], 0
+        for expert, count in active_runs(sorted_ids):  # one GEMM per active expert
+            outs.append(self[expert](permuted[start:start + count]))
             start += count
+        out = torch.cat(outs)
         unpermuted = torch.empty_like(out)
         unpermuted[order] = out  # back to (token, slot) order
         return combine(unpermuted.view(num_tokens, k, -1), routing.weights).to(x.dtype)
