@@ -134,3 +134,14 @@ def test_default_variant_values_and_known_fields_pass():
     cfg = {"num_experts": 8, "num_experts_per_tok": 2, "scoring_func": "softmax", "n_group": 1,
            "hidden_act": "silu", "router_aux_loss_coef": 0.001}
     check_moe_fields(cfg, ("num_experts", "num_experts_per_tok", "router_aux_loss_coef"), "X")
+
+
+def test_gptq_keeps_an_expert_that_calibration_never_routed_to():
+    """No calibration token reached it (H = 0): rounded to nearest, not zeroed as dead."""
+    from kiln.quant.formats import get_format
+    from kiln.quant.gptq import gptq_round
+
+    w = torch.randn(12, 8, generator=torch.Generator().manual_seed(0))
+    unseen = gptq_round(w, torch.zeros(8, 8), get_format("int8")).weight
+    torch.testing.assert_close(unseen, gptq_round(w, torch.eye(8), get_format("int8")).weight)
+    assert (unseen - w).abs().max() < 0.02
