@@ -84,11 +84,13 @@ def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
-@pytest.mark.parametrize("model_type", sorted(MOE_CONFIGS))
-def test_greedy_tokens_match_hf_in_a_batch(moe_ckpt, model_type):
-    """Three prompts of different lengths batched together, 32 greedy tokens each."""
+@pytest.mark.parametrize("model_type, kernels", [(m, "auto") for m in sorted(MOE_CONFIGS)]
+                         + [("qwen2_moe", "torch")])
+def test_greedy_tokens_match_hf_in_a_batch(moe_ckpt, model_type, kernels):
+    """Three prompts of different lengths batched together, 32 greedy tokens each; `auto`
+    runs the C++ kernels where they build, `torch` the plain reference path."""
     path = moe_ckpt(model_type)
-    llm = LLM(path, dtype="float32", kv_cache_memory=8 << 20, num_threads=1)
+    llm = LLM(path, dtype="float32", kv_cache_memory=8 << 20, num_threads=1, kernels=kernels)
     prompt_ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
