@@ -124,8 +124,22 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(a, f"{prefix}.self_attn", method_for, dtype, backend,
                                         ops)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(a, f"{prefix}.mlp", method_for, dtype, ops)
+        self.add_feed_forward(a, prefix, method_for, dtype, ops)
         self.ops = ops
+
+    def add_feed_forward(self, a: LlamaArch, prefix: str, method_for: MethodFor, dtype,
+                         ops) -> None:
+        """Registers the block's feed-forward under its checkpoint name (a hook: the MoE
+        families register their sparse block, kiln.models.mixtral and qwen_moe)."""
+        self.mlp = LlamaMLP(a, f"{prefix}.mlp", method_for, dtype, ops)
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(h)
+
+    def dense_mlp(self) -> LlamaMLP | None:
+        """The block's dense SwiGLU MLP, or None where its feed-forward is something else (a
+        mixture of experts): the fused decoder stack runs only the former."""
+        return self.mlp
 
     def forward(self, x, residual, positions, rotary, kv_cache, meta):
         norm1, norm2, eps = self.input_layernorm, self.post_attention_layernorm, norm_eps(self)
@@ -135,7 +149,7 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.ops.add_rms_norm(x, residual, norm1.weight, eps)
         h = self.self_attn(h, positions, rotary, kv_cache, meta)
         h, residual = self.ops.add_rms_norm(h, residual, norm2.weight, eps)
-        return self.mlp(h), residual
+        return self.feed_forward(h), residual
 
 
 def norm_eps(layer: LlamaDecoderLayer) -> float:
@@ -143,13 +157,14 @@ def norm_eps(layer: LlamaDecoderLayer) -> float:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, a: LlamaArch, method_for: MethodFor, dtype, backend, ops):
+    def __init__(self, a: LlamaArch, method_for: MethodFor, dtype, backend, ops,
+                 make_layer: Callable[[int], nn.Module] | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype, device="cpu")
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(a, f"model.layers.{i}", method_for, dtype, backend, ops)
-            for i in range(a.num_layers))
+        make_layer = make_layer or (lambda i: LlamaDecoderLayer(
+            a, f"model.layers.{i}", method_for, dtype, backend, ops))
+        self.layers = nn.ModuleList(make_layer(i) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
 
 
@@ -163,12 +178,19 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = a
         self.ops = ops or TorchOps()
-        self.model = LlamaModel(a, method_for, dtype, backend, self.ops)
+        self.model = LlamaModel(a, method_for, dtype, backend, self.ops,
+                                self.layer_maker(a, method_for, dtype, backend, self.ops))
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta,
                                       a.rope_scaling, dtype)
         # with tied embeddings the loader fills lm_head from embed_tokens (packed separately)
         self.lm_head = Linear(a.hidden_size, a.vocab_size, dtype=dtype,
                               method=method_for("lm_head"))
+
+    def layer_maker(self, a: LlamaArch, method_for: MethodFor, dtype, backend,
+                    ops) -> Callable[[int], nn.Module] | None:
+        """Layer index -> decoder layer, for families whose layers differ (a hook; None:
+        every layer a LlamaDecoderLayer)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from kiln.models.llama import LlamaArch, LlamaForCausalLM
+from kiln.models.mixtral import MixtralArch, MixtralForCausalLM
+from kiln.models.qwen_moe import QwenMoeArch, QwenMoeForCausalLM
 
 # architecture -> (model class, arch parser)
 _MODELS = {
@@ -10,6 +12,9 @@ _MODELS = {
     "MistralForCausalLM": (LlamaForCausalLM, LlamaArch.from_hf),
     "Qwen2ForCausalLM": (LlamaForCausalLM, LlamaArch.from_hf),
     "Qwen3ForCausalLM": (LlamaForCausalLM, LlamaArch.from_hf),
+    "MixtralForCausalLM": (MixtralForCausalLM, MixtralArch.from_hf),
+    "Qwen2MoeForCausalLM": (QwenMoeForCausalLM, QwenMoeArch.from_hf),
+    "Qwen3MoeForCausalLM": (QwenMoeForCausalLM, QwenMoeArch.from_hf),
 }
 
 

@@ -94,6 +94,8 @@ def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, fmt: WeightFormat,
         the most columns remain to absorb their error). Groups then fix their grids up front,
         from the unrounded weight ("static groups"), so the stored layout is unchanged.
     """
+    if not hessian.diagonal().any():  # no calibration token reached the layer (an expert
+        hessian = torch.eye(len(hessian))  # none routed to): round to nearest, never zero it
     order = (torch.argsort(hessian.diagonal(), descending=True, stable=True) if act_order
              else torch.arange(len(hessian)))
     wt = weight.float().t()[order].contiguous()  # [in, out]: input order[k] is row k

@@ -77,12 +77,15 @@ def _global_hooks() -> bool:
 
 
 def stack_weights(model: LlamaForCausalLM, backend: CpuPagedAttention) -> StackWeights | None:
-    """The model's `StackWeights`, or None when a layer is off the fused path: q/k norms, or a
-    linear whose method has no stack tensors (a bias, torch's matmul, a format other than
-    oneDNN bf16, kiln's bf16-fp32 and weight-only int8)."""
+    """The model's `StackWeights`, or None when a layer is off the fused path: q/k norms, a
+    feed-forward other than a dense MLP (a mixture of experts), or a linear whose method has
+    no stack tensors (a bias, torch's matmul, a format other than oneDNN bf16, kiln's
+    bf16-fp32 and weight-only int8)."""
     layers = list(model.model.layers)
+    mlp = [layer.dense_mlp() for layer in layers]
+    if None in mlp:
+        return None  # a mixture-of-experts block: the stack has no routing
     attn = [layer.self_attn for layer in layers]
-    mlp = [layer.mlp for layer in layers]
     projections = {"qkv": [a.qkv_proj for a in attn], "o": [a.o_proj for a in attn],
                    "gate_up": [f.gate_up_proj for f in mlp], "down": [f.down_proj for f in mlp]}
     linears = [m for ms in projections.values() for m in ms]

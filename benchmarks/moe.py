@@ -1,0 +1,219 @@
+"""Mixture-of-experts speed on CPU: a Qwen3-30B-A3B-shaped MoE scaled to this machine, beside a
+dense model with the same active parameters (issue 49).
+
+The MoE (made here with transformers' Qwen3MoeConfig, random weights): hidden 1,024, 64
+experts of which 8 route per token, expert width 384, 8 layers, 16 query / 4 KV heads of 64.
+About 0.65 B parameters in all, ~0.1 B active per token. The dense twin (Qwen3Config) has the
+same attention and an MLP of width 8 x 384 = 3,072, so one token reads the same number of
+weights through both; the vocabulary is the tiny test tokenizer's 512 (so the LM head does not
+dilute the comparison). Rows, per model and weight format (bf16, int8):
+
+  batch1   one 128-token prompt, 128 greedy tokens: prefill ms, decode tok/s
+  batch32  32 prompts x 128 in / 128 out, all at once: output tok/s
+
+and the ratio MoE / dense of batch-1 decode time per token (target: at most 1.3).
+
+Side by side with llama.cpp (`--llamacpp`): convert the MoE directory to GGUF with llama.cpp's
+converter (it runs qwen3moe) and time it with the shared batch-1 script; with peers installed
+(benchmarks/peers/setup_llamacpp.sh) this script does both, else it prints the commands:
+
+  PRE_TOKENIZER=gpt-2 MODEL_DIR=DIR/moe benchmarks/peers/make_gguf.sh bf16 q8_0
+  peers/llamacpp-venv/bin/python ../shared/peers/bench_llamacpp.py \
+      peers/gguf/moe-bf16.gguf DIR/prompts.json 3 2
+
+(PRE_TOKENIZER: the tokenizer is trained locally, byte-level BPE with GPT-2's pre-tokenizer,
+whose hash llama.cpp does not know.) Compare bf16 with bf16 and kiln's int8 with q8_0.
+
+usage: python benchmarks/moe.py [--dir /tmp/kiln-moe-bench] [--formats bf16,int8] [--reps 3]
+       [--threads 2] [--llamacpp] [--tiny] [--out benchmarks/results/moe.json]
+       (--tiny: a 2-layer toy with 8 experts and short runs, to check the script works)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ROOT / "peers"
+SHARED = ROOT.parent / "shared" / "peers"
+KILN_BIND = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}  # as cpu_speed.py
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    expert_width: int
+    prompt_len: int
+    new_tokens: int
+    batch: int
+
+
+FULL = Shape(hidden=1024, layers=8, heads=16, kv_heads=4, head_dim=64, experts=64, top_k=8,
+             expert_width=384, prompt_len=128, new_tokens=128, batch=32)
+TINY = Shape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
+             expert_width=32, prompt_len=16, new_tokens=8, batch=4)
+
+
+def hf_configs(s: Shape, vocab: int) -> dict[str, dict]:
+    """model name -> (model_type, config) of the MoE and its dense twin."""
+    common = dict(hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+                  num_key_value_heads=s.kv_heads, head_dim=s.head_dim, vocab_size=vocab,
+                  max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2)
+    return {
+        "moe": dict(common, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+                    num_experts=s.experts, num_experts_per_tok=s.top_k, norm_topk_prob=True,
+                    moe_intermediate_size=s.expert_width, intermediate_size=s.expert_width * 4),
+        "dense": dict(common, model_type="qwen3", architectures=["Qwen3ForCausalLM"],
+                      intermediate_size=s.top_k * s.expert_width),
+    }
+
+
+def make_checkpoints(root: Path, s: Shape) -> None:
+    """DIR/moe, DIR/dense (random bf16 weights, the tiny tokenizer) and DIR/prompts.json."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kiln.testing.tiny import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    for name, cfg in hf_configs(s, len(tokenizer)).items():
+        path = root / name
+        if (path / "config.json").exists():
+            continue
+        cfg = dict(cfg)
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(str(path))
+        tokenizer.save_pretrained(str(path))
+        print(f"wrote {path} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params)")
+        del model
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, len(tokenizer), (s.batch, s.prompt_len), generator=gen)
+    (root / "prompts.json").write_text(json.dumps(prompts.tolist()))
+
+
+def measure(path: str, fmt: str, prompts: list[list[int]], s: Shape, reps: int,
+            threads: int) -> list[dict]:
+    """kiln's rows for one model and format (run in a fresh process: see main)."""
+    from kiln import LLM, SamplingParams
+
+    llm = LLM(path, dtype="bfloat16", max_model_len=1024, num_threads=threads,
+              quantization=None if fmt == "bf16" else fmt, kv_cache_memory=1 << 30)
+
+    def run(batch: list[list[int]], new: int) -> float:
+        llm.engine.kv.pool.reset_prefix_cache()  # every run starts cold
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == new for o in outs)
+        return time.perf_counter() - start
+
+    run(prompts[:4], 4)  # warm-up
+    base = dict(model=Path(path).name, format=fmt, threads=threads, reps=reps)
+    total = statistics.median(run(prompts[:1], s.new_tokens) for _ in range(reps))
+    prefill = statistics.median(run(prompts[:1], 1) for _ in range(reps))
+    many = statistics.median(run(prompts, s.new_tokens) for _ in range(reps))
+    return [dict(base, test="batch1", prefill_ms=round(prefill * 1e3, 1),
+                 decode_ms_per_token=round((total - prefill) / (s.new_tokens - 1) * 1e3, 2),
+                 decode_tok_s=round((s.new_tokens - 1) / (total - prefill), 1)),
+            dict(base, test=f"batch{len(prompts)}",
+                 out_tok_s=round(len(prompts) * s.new_tokens / many, 1))]
+
+
+def run_measure(name: str, fmt: str, args) -> list[dict]:
+    cmd = [sys.executable, __file__, "--measure", name, "--dir", args.dir, "--formats", fmt,
+           "--reps", str(args.reps), "--threads", str(args.threads)] + (
+        ["--tiny"] if args.tiny else [])
+    env = os.environ | KILN_BIND | {"PYTHONPATH": str(ROOT / "src")}
+    print(f"running kiln {name} {fmt} ...", flush=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not rows:
+        print(f"  failed: {proc.stderr.strip()[-800:]}")
+    return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """MoE / dense batch-1 decode time per token, per format."""
+    per = {(r["model"], r["format"]): r for r in rows if r["test"] == "batch1"}
+    out = []
+    for (model, fmt), r in per.items():
+        dense = per.get(("dense", fmt))
+        if model == "moe" and dense:
+            out.append(dict(test="moe_over_dense_decode", format=fmt, target_at_most=1.3,
+                            ratio=round(r["decode_ms_per_token"] /
+                                        dense["decode_ms_per_token"], 3)))
+    return out
+
+
+def llamacpp_rows(root: Path, args) -> list[dict]:
+    """llama.cpp batch 1 on GGUFs converted from DIR/moe, where the peer is installed."""
+    py = PEERS / "llamacpp-venv" / "bin" / "python"
+    recipe = (f"PRE_TOKENIZER=gpt-2 MODEL_DIR={root / 'moe'} benchmarks/peers/make_gguf.sh "
+              f"bf16 q8_0\n  {py} {SHARED / 'bench_llamacpp.py'} {PEERS / 'gguf'}/moe-bf16.gguf "
+              f"{root / 'prompts.json'} {args.reps} {args.threads}")
+    if not py.exists():
+        print(f"skip llama.cpp: not installed (benchmarks/peers/setup_llamacpp.sh); then:\n"
+              f"  {recipe}")
+        return []
+    subprocess.run(["bash", str(ROOT / "benchmarks/peers/make_gguf.sh"), "bf16", "q8_0"],
+                   env=os.environ | {"MODEL_DIR": str(root / "moe"), "PRE_TOKENIZER": "gpt-2"},
+                   check=True)
+    rows = []
+    for t in ("bf16", "q8_0"):
+        proc = subprocess.run([str(py), str(SHARED / "bench_llamacpp.py"),
+                               str(PEERS / "gguf" / f"moe-{t}.gguf"), str(root / "prompts.json"),
+                               str(args.reps), str(args.threads)], capture_output=True, text=True)
+        rows += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0:
+            print(f"  llama.cpp {t} failed: {proc.stderr.strip()[-500:]}")
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default="/tmp/kiln-moe-bench", help="checkpoints (made if absent)")
+    p.add_argument("--formats", default="bf16,int8", help="kiln weight formats, comma list")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tiny", action="store_true", help="a toy shape, to check the script")
+    p.add_argument("--llamacpp", action="store_true", help="also llama.cpp on a GGUF of the MoE")
+    p.add_argument("--out", help="write every row as JSON here")
+    p.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one model, fresh process
+    args = p.parse_args()
+    shape = TINY if args.tiny else FULL
+    root = Path(args.dir) / ("tiny" if args.tiny else "full")
+    if args.measure:
+        prompts = json.loads((root / "prompts.json").read_text())
+        for row in measure(str(root / args.measure), args.formats, prompts, shape, args.reps,
+                           args.threads):
+            print(json.dumps(row), flush=True)
+        return
+    make_checkpoints(root, shape)
+    rows = [row for name in ("moe", "dense") for fmt in args.formats.split(",")
+            for row in run_measure(name, fmt, args)]
+    rows += ratios(rows) + (llamacpp_rows(root, args) if args.llamacpp else [])
+    for row in rows:
+        print(json.dumps(row))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
