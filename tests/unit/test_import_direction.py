@@ -28,7 +28,7 @@ LEAVES = frozenset({
 ENTRY_POINTS = frozenset({"kiln", "kiln.cli", "kiln.llm", "kiln.config_cli"})
 ENTRY_PACKAGES = ("kiln.bench", "kiln.testing")
 RANK_OF_PACKAGE = {
-    "kiln.kernels": 0, "kiln.platform": 0,
+    "kiln.kernels": 0, "kiln.distributed": 0, "kiln.platform": 0,
     "kiln.models": 1,
     "kiln.runner": 2,
     "kiln.engine": 3,

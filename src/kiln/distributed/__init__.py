@@ -1,0 +1,1 @@
+"""Running one engine across several processes: ranks, collectives, shared-memory all-reduce."""

@@ -1,0 +1,176 @@
+"""The ranks of a tensor-parallel engine: rank 0 leads, the others follow its steps.
+
+Rank 0 owns the scheduler (EngineCore) and the sampler; ranks 1..T-1 own only their part of
+the model and of the KV cache. Whatever rank 0's runner does to the model or the cache, it
+first tells the others in a `RankCommand` (a msgspec struct broadcast as bytes over the step
+channel, kiln.distributed.step_channel; never pickled), and every rank then does the same:
+
+  - `AllocateKV`: size the KV cache (rank 0 decides the block count).
+  - `RunStep`: the step's sequences as the batch needs them (tokens, start position, block
+    table, draft tree) and the hidden rows to compute logits of; every rank runs the forward
+    (its all-reduces meet in the model) and its share of the LM head, gathered to rank 0.
+  - `MoveSlots`: move KV between slots (an accepted draft tree's path).
+  - `Stop`: the engine is shutting down.
+
+So speculative decoding (n-gram drafts are tokens of the step), structured output (a
+bitmask on rank 0's logits) and prefix caching (block ids in the step) work unchanged.
+
+A following rank's process is `python -m kiln.runner.rank_main` (started by `Leader.start`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import subprocess
+
+import msgspec
+import torch
+
+from kiln.config import CacheConfig, ModelConfig, ParallelConfig
+from kiln.distributed.communicator import RankFailure
+from kiln.distributed.launch import (
+    RankGroup,
+    default_threads_per_rank,
+    join_groups,
+    open_store,
+    spawn_rank,
+)
+from kiln.engine.contract import ScheduledRequest, SchedulerOutput
+from kiln.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+STOP_WAIT_S = 10.0  # how long a stopping rank may take to exit before it is killed
+
+
+class StepSeq(msgspec.Struct, array_like=True):
+    """One scheduled sequence, as far as the batch tensors need it."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    num_draft_tokens: int
+    draft_parents: list[int] | None
+
+
+class AllocateKV(msgspec.Struct, tag=True, array_like=True):
+    num_blocks: int
+
+
+class RunStep(msgspec.Struct, tag=True, array_like=True):
+    seqs: list[StepSeq]
+    logits_index: list[int] | None  # flat rows to compute logits of; None: no LM head
+
+
+class MoveSlots(msgspec.Struct, tag=True, array_like=True):
+    src: list[int]
+    dst: list[int]
+
+
+class Stop(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+RankCommand = AllocateKV | RunStep | MoveSlots | Stop
+
+
+class RankLaunch(msgspec.Struct):
+    """What a following rank needs to build its part of the runner (its command line)."""
+
+    model: ModelConfig
+    model_path: str
+    cache: CacheConfig
+    parallel: ParallelConfig
+    rank: int
+    store_port: int
+    parent_pid: int
+
+
+def step_seqs(sched: SchedulerOutput) -> list[StepSeq]:
+    return [StepSeq(item.token_ids, item.start_pos, item.block_ids, item.num_draft_tokens,
+                    item.draft_parents if item.num_draft_tokens else None)
+            for item in sched.scheduled]
+
+
+_NO_PARAMS = SamplingParams()
+
+
+def schedule_of(step: RunStep) -> SchedulerOutput:
+    """A following rank's SchedulerOutput for `step`: what build_batch reads, no sampling."""
+    scheduled = [ScheduledRequest("", s.token_ids, s.start_pos, s.num_draft_tokens,
+                                  s.block_ids, False, _NO_PARAMS, [], [], False,
+                                  draft_parents=s.draft_parents) for s in step.seqs]
+    return SchedulerOutput(scheduled, sum(len(s.token_ids) for s in step.seqs))
+
+
+class Leader:
+    """Rank 0's handle on the other ranks: their processes, the groups, the command stream."""
+
+    def __init__(self, group: RankGroup, processes: list[subprocess.Popen],
+                 store: torch.distributed.Store):
+        self.group, self.processes = group, processes
+        self.store = store  # the rendezvous store lives as long as the groups
+        self.encoder = msgspec.msgpack.Encoder()
+        self.closed = False
+        atexit.register(self.close)
+
+    @classmethod
+    def start(cls, model: ModelConfig, model_path: str, cache: CacheConfig,
+              parallel: ParallelConfig) -> Leader:
+        """Start ranks 1..T-1 and join them (returns once all are connected)."""
+        size, timeout = parallel.tensor_parallel_size, parallel.dist_timeout_s
+        threads = parallel.num_threads or default_threads_per_rank(size)
+        store = open_store(size, timeout)
+        processes = []
+        for rank in range(1, size):
+            launch = RankLaunch(model, str(model_path), cache, parallel, rank, store.port,
+                                os.getpid())
+            processes.append(spawn_rank("kiln.runner.rank_main", [
+                "--launch-json", msgspec.json.encode(launch).decode()], threads))
+        try:
+            group = join_groups(store, 0, size, timeout)
+        except RuntimeError as exc:
+            _kill(processes)
+            raise RankFailure(f"tensor-parallel ranks did not all start within {timeout:g} s "
+                              f"(exit codes {[p.poll() for p in processes]}): {exc}") from exc
+        log.info("tensor parallel: %d ranks, %d threads each, gloo over 127.0.0.1:%d", size,
+                 threads, store.port)
+        return cls(group, processes, store)
+
+    def send(self, command: RankCommand) -> None:
+        try:
+            self.group.steps.send(self.encoder.encode(command))
+        except RankFailure:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """After a failure: kill the other ranks and drop the groups."""
+        if not self.closed:
+            self.closed = True
+            _kill(self.processes)
+            self.group.close()
+
+    def close(self) -> None:
+        """Tell the other ranks to stop and wait for them (killed after STOP_WAIT_S)."""
+        if self.closed:
+            return
+        try:
+            self.send(Stop())
+        except RankFailure:
+            return
+        self.closed = True
+        for process in self.processes:
+            try:
+                process.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        self.group.close()
+
+
+def _kill(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
