@@ -102,11 +102,15 @@ class ParallelConfig:
     tensor_parallel_size: int = field(default=1, metadata=doc(
         "rank processes one engine's layers are split across (tensor parallelism, this "
         "machine, gloo)"))
+    all_reduce: Literal["auto", "gloo", "shm"] = field(default="auto", metadata=doc(
+        "the ranks' all-reduce: shm (shared memory, this machine), gloo (TCP), or auto: shm "
+        "where kiln's kernels build and it exists, else gloo"))
     dist_timeout_s: float = field(default=60.0, metadata=doc(
         "seconds a collective between ranks may wait before the engine fails (a dead rank "
         "fails it at once)"))
 
     def __post_init__(self):
+        check_choices(self)
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.tensor_parallel_size < 1:

@@ -341,10 +341,14 @@ def spawn_worker(config: WorkerConfig, incarnation: int) -> WorkerProcess:
     OpenMP keeps its default wait policy (spin briefly, then sleep): PASSIVE (sleep at once)
     halved batch-1 decode on a 2-core machine, since every op then waits for threads to wake.
     A worker that takes every core gets one OpenMP thread pinned per core (+7-10% decode,
-    prefill and throughput here); workers that split the cores are left unpinned."""
+    prefill and throughput here); workers that split the cores are left unpinned, and so is a
+    worker of several tensor-parallel ranks (each binding from the first core, they would
+    share the same cores; kiln.distributed.launch gives each rank cores // ranks threads)."""
     env = dict(os.environ)
-    threads = config.engine.parallel.num_threads
-    if threads is None or threads >= default_num_threads():
+    parallel = config.engine.parallel
+    threads = parallel.num_threads
+    one_rank = parallel.tensor_parallel_size == 1
+    if one_rank and (threads is None or threads >= default_num_threads()):
         env.setdefault("OMP_PROC_BIND", "close")
         env.setdefault("OMP_PLACES", "cores")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -3,7 +3,8 @@
 A `Communicator` is what a sharded layer holds: `all_reduce_` after a row-parallel matmul
 (and the vocab-parallel embedding), `gather_to_first` for the LM head's logits. The gloo
 implementation here runs on any machine; a faster one (shared memory between ranks on one
-machine, NCCL on GPUs) is another class with the same four members.
+machine, NCCL on GPUs) is another class with the same four members: `ShmCommunicator`
+sums through kiln.distributed.shm_allreduce and gathers over gloo.
 
 Every collective is bounded: a rank that died makes the others' next collective fail at once
 (gloo sees the closed connection), one that hangs makes it fail after `timeout_s`. Either way
@@ -72,6 +73,40 @@ class GlooCommunicator:
     def close(self) -> None:
         """Release the group's connections (safe after a failure, unlike its destructor)."""
         self.group.shutdown()
+
+
+class ShmCommunicator(GlooCommunicator):
+    """All-reduce through a shared-memory segment (ranks on one machine); the gather, rarer
+    and larger, stays on gloo. A rank that dies is seen here only when the wait for it times
+    out (`timeout_s`), where gloo sees the closed connection at once."""
+
+    def __init__(self, group: dist.ProcessGroupGloo, timeout_s: float, name: str,
+                 max_bytes: int = 4 << 20):
+        super().__init__(group, timeout_s)
+        from kiln.distributed.shm_allreduce import ShmAllReduce
+
+        self.shm = ShmAllReduce(name, self.rank, self.world_size, max_bytes,
+                                timeout_s=timeout_s)
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        bounded(lambda: self.shm.all_reduce_(tensor), "shared-memory all-reduce",
+                self.timeout_s)
+        return tensor
+
+    def close(self) -> None:
+        self.shm.close()
+        super().close()
+
+
+def shm_available() -> bool:
+    """Whether the shared-memory all-reduce can run here (its module and kiln's kernels)."""
+    try:
+        from kiln.distributed import shm_allreduce  # noqa: F401
+    except ImportError:
+        return False
+    from kiln.kernels import cpu as cpu_kernels
+
+    return cpu_kernels.load()
 
 
 def bounded(collective: Callable[[], object], what: str, timeout_s: float) -> None:

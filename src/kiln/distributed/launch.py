@@ -28,7 +28,12 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from kiln.distributed.communicator import GlooCommunicator, open_gloo_group
+from kiln.distributed.communicator import (
+    GlooCommunicator,
+    ShmCommunicator,
+    open_gloo_group,
+    shm_available,
+)
 from kiln.distributed.step_channel import IDLE_TIMEOUT_S, StepChannel
 
 LOOPBACK = "127.0.0.1"
@@ -61,11 +66,18 @@ def join_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(LOOPBACK, port, world_size, False, timedelta(seconds=timeout_s))
 
 
-def join_groups(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> RankGroup:
-    """This rank's groups; returns once every rank has joined (or raises after timeout_s)."""
+def join_groups(store: dist.Store, rank: int, world_size: int, timeout_s: float,
+                all_reduce: str = "gloo", name: str = "") -> RankGroup:
+    """This rank's groups; returns once every rank has joined (or raises after timeout_s).
+    `all_reduce`: gloo, shm (shared memory; `name` unique among this machine's groups), or
+    auto (shm where it runs). Every rank must pass the same."""
     model = open_gloo_group(store, "model", rank, world_size, timeout_s)
     steps = open_gloo_group(store, "steps", rank, world_size, IDLE_TIMEOUT_S)
-    return RankGroup(GlooCommunicator(model, timeout_s), StepChannel(steps))
+    if all_reduce == "shm" or (all_reduce == "auto" and shm_available()):
+        comm = ShmCommunicator(model, timeout_s, name)
+    else:
+        comm = GlooCommunicator(model, timeout_s)
+    return RankGroup(comm, StepChannel(steps))
 
 
 def default_threads_per_rank(world_size: int) -> int:

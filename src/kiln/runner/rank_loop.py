@@ -21,6 +21,7 @@ A following rank's process is `python -m kiln.runner.rank_main` (started by `Lea
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import subprocess
@@ -29,7 +30,7 @@ import msgspec
 import torch
 
 from kiln.config import CacheConfig, ModelConfig, ParallelConfig
-from kiln.distributed.communicator import RankFailure
+from kiln.distributed.communicator import RankFailure, shm_available
 from kiln.distributed.launch import (
     RankGroup,
     default_threads_per_rank,
@@ -121,6 +122,8 @@ class Leader:
         """Start ranks 1..T-1 and join them (returns once all are connected)."""
         size, timeout = parallel.tensor_parallel_size, parallel.dist_timeout_s
         threads = parallel.num_threads or default_threads_per_rank(size)
+        # rank 0 decides "auto" for all: every rank must sum the same way
+        parallel = dataclasses.replace(parallel, all_reduce=resolve_all_reduce(parallel))
         store = open_store(size, timeout)
         processes = []
         for rank in range(1, size):
@@ -129,13 +132,14 @@ class Leader:
             processes.append(spawn_rank("kiln.runner.rank_main", [
                 "--launch-json", msgspec.json.encode(launch).decode()], threads))
         try:
-            group = join_groups(store, 0, size, timeout)
+            group = join_groups(store, 0, size, timeout, parallel.all_reduce,
+                                all_reduce_name(os.getpid(), store.port))
         except RuntimeError as exc:
             _kill(processes)
             raise RankFailure(f"tensor-parallel ranks did not all start within {timeout:g} s "
                               f"(exit codes {[p.poll() for p in processes]}): {exc}") from exc
-        log.info("tensor parallel: %d ranks, %d threads each, gloo over 127.0.0.1:%d", size,
-                 threads, store.port)
+        log.info("tensor parallel: %d ranks, %d threads each, all-reduce %s, gloo over "
+                 "127.0.0.1:%d", size, threads, parallel.all_reduce, store.port)
         return cls(group, processes, store)
 
     def send(self, command: RankCommand) -> None:
@@ -167,6 +171,17 @@ class Leader:
             except subprocess.TimeoutExpired:
                 process.kill()
         self.group.close()
+
+
+def resolve_all_reduce(parallel: ParallelConfig) -> str:
+    if parallel.all_reduce != "auto":
+        return parallel.all_reduce
+    return "shm" if shm_available() else "gloo"
+
+
+def all_reduce_name(leader_pid: int, port: int) -> str:
+    """The shared-memory segment's name: unique among the machine's live engines."""
+    return f"tp-{leader_pid}-{port}"
 
 
 def _kill(processes: list[subprocess.Popen]) -> None:

@@ -17,7 +17,15 @@ import torch
 from kiln.distributed.communicator import RankFailure
 from kiln.distributed.launch import RankGroup, exit_with_parent, join_groups, join_store
 from kiln.runner.model_runner import ModelRunner
-from kiln.runner.rank_loop import AllocateKV, RankCommand, RankLaunch, RunStep, Stop, schedule_of
+from kiln.runner.rank_loop import (
+    AllocateKV,
+    RankCommand,
+    RankLaunch,
+    RunStep,
+    Stop,
+    all_reduce_name,
+    schedule_of,
+)
 
 log = logging.getLogger("kiln.rank")
 
@@ -47,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     exit_with_parent(launch.parent_pid)
     p = launch.parallel
     store = join_store(launch.store_port, p.tensor_parallel_size, p.dist_timeout_s)
-    group = join_groups(store, launch.rank, p.tensor_parallel_size, p.dist_timeout_s)
+    group = join_groups(store, launch.rank, p.tensor_parallel_size, p.dist_timeout_s,
+                        p.all_reduce, all_reduce_name(launch.parent_pid, launch.store_port))
     try:
         runner = ModelRunner(launch.model, launch.model_path, launch.cache, p, frozenset(),
                              ranks=group)
