@@ -95,6 +95,10 @@ def _probe_rank(rank: int, port: int, rows: list[int], hidden: int, calls: int,
         for n in rows:
             out[f"gloo {str(dtype)[6:]} [{n}, {hidden}]"] = _time_calls(
                 group.comm.all_reduce_, torch.randn(n, hidden).to(dtype), calls)
+            if dtype == torch.bfloat16:  # gloo's own bf16 sum (the communicator widens)
+                out[f"gloo-raw bfloat16 [{n}, {hidden}]"] = _time_calls(
+                    lambda t: group.comm.group.allreduce([t]).wait(),
+                    torch.randn(n, hidden).to(dtype), calls)
             shm = _shm_reducer(rank, n * hidden * 4)
             if shm is not None:
                 out[f"shm {str(dtype)[6:]} [{n}, {hidden}]"] = _time_calls(
