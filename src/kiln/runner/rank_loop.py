@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import os
 import subprocess
+import time
 
 import msgspec
 import torch
@@ -43,6 +44,9 @@ from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 STOP_WAIT_S = 10.0  # how long a stopping rank may take to exit before it is killed
+# how long a rank's process may take to start (import torch, reach the rendezvous) on a
+# loaded machine; one that dies meanwhile fails the start at once
+START_TIMEOUT_S = 300.0
 
 
 class StepSeq(msgspec.Struct, array_like=True):
@@ -132,12 +136,14 @@ class Leader:
             processes.append(spawn_rank("kiln.runner.rank_main", [
                 "--launch-json", msgspec.json.encode(launch).decode()], threads))
         try:
+            wait_until_started(store, processes)
             group = join_groups(store, 0, size, timeout, parallel.all_reduce,
                                 all_reduce_name(os.getpid(), store.port))
-        except RuntimeError as exc:
+        except (RuntimeError, RankFailure) as exc:
+            codes = [p.poll() for p in processes]
             _kill(processes)
-            raise RankFailure(f"tensor-parallel ranks did not all start within {timeout:g} s "
-                              f"(exit codes {[p.poll() for p in processes]}): {exc}") from exc
+            raise RankFailure(f"tensor-parallel ranks did not start (exit codes {codes}): "
+                              f"{exc}") from exc
         log.info("tensor parallel: %d ranks, %d threads each, all-reduce %s, gloo over "
                  "127.0.0.1:%d", size, threads, parallel.all_reduce, store.port)
         return cls(group, processes, store)
@@ -171,6 +177,26 @@ class Leader:
             except subprocess.TimeoutExpired:
                 process.kill()
         self.group.close()
+
+
+def started_key(rank: int) -> str:
+    return f"started/{rank}"
+
+
+def wait_until_started(store: torch.distributed.Store, processes: list[subprocess.Popen],
+                       timeout_s: float = START_TIMEOUT_S) -> None:
+    """Wait for ranks 1.. to reach the rendezvous (each sets its `started_key`), failing at
+    once if one exits first and after `timeout_s` if one never comes."""
+    deadline = time.monotonic() + timeout_s
+    keys = [started_key(rank) for rank in range(1, len(processes) + 1)]
+    while not store.check(keys):
+        dead = [(rank, p.poll()) for rank, p in enumerate(processes, 1) if p.poll() is not None]
+        if dead:
+            raise RankFailure(f"rank {dead[0][0]} exited with status {dead[0][1]} while "
+                              f"starting (see its log above)")
+        if time.monotonic() > deadline:
+            raise RankFailure(f"ranks did not start within {timeout_s:g} s")
+        time.sleep(0.05)
 
 
 def resolve_all_reduce(parallel: ParallelConfig) -> str:

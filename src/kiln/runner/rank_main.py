@@ -25,6 +25,7 @@ from kiln.runner.rank_loop import (
     Stop,
     all_reduce_name,
     schedule_of,
+    started_key,
 )
 
 log = logging.getLogger("kiln.rank")
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_with_parent(launch.parent_pid)
     p = launch.parallel
     store = join_store(launch.store_port, p.tensor_parallel_size, p.dist_timeout_s)
+    store.set(started_key(launch.rank), "1")
     group = join_groups(store, launch.rank, p.tensor_parallel_size, p.dist_timeout_s,
                         p.all_reduce, all_reduce_name(launch.parent_pid, launch.store_port))
     try:
