@@ -2,7 +2,7 @@
 
 Each engine pair is built once per module (a rank process takes seconds to start): a tiny
 Llama (KV heads split over the ranks, tied embeddings) and a tiny Qwen2 with one KV head
-(replicated on both ranks; q/k/v biases; an untied LM head). The last test kills a rank of
+(replicated on both ranks; q/k/v biases; an untied LM head) in int8. The last test kills a rank of
 the Qwen2 engine, so it runs last.
 """
 
@@ -28,9 +28,11 @@ SETTINGS = dict(dtype="float32", kv_cache_memory=4 << 20, max_num_batched_tokens
 TIMEOUT_S = 20
 
 
-def engine_pair(path: str, **tp_settings) -> tuple[LLM, LLM]:
-    return LLM(path, **SETTINGS), LLM(path, **SETTINGS, tensor_parallel_size=2,
-                                      dist_timeout_s=TIMEOUT_S, **tp_settings)
+def engine_pair(path: str, quantization: str | None = None,
+                **tp_settings) -> tuple[LLM, LLM]:
+    both = dict(SETTINGS, quantization=quantization)
+    return LLM(path, **both), LLM(path, **both, tensor_parallel_size=2,
+                                  dist_timeout_s=TIMEOUT_S, **tp_settings)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,9 @@ def llama_pair(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def qwen2_pair(tiny_ckpt):
-    one, two = engine_pair(tiny_ckpt("qwen2", num_key_value_heads=1))
+    # int8 weights, quantized on load: codes and per-row scales shard with their rows
+    # (column-parallel) or keep each row's scale whole (row-parallel)
+    one, two = engine_pair(tiny_ckpt("qwen2", num_key_value_heads=1), quantization="int8")
     yield one, two
     two.close()
 
@@ -95,10 +99,15 @@ def test_speculation_from_a_model_is_refused(tiny_ckpt):
         LLM(tiny_ckpt("llama"), **SETTINGS, tensor_parallel_size=2, speculator=tiny_ckpt("llama"))
 
 
-def test_qwen2_replicated_kv_head_matches_one_process(qwen2_pair):
+def test_qwen2_int8_replicated_kv_head_matches_one_process(qwen2_pair):
     one, two = qwen2_pair
     assert_same(one.generate(PROMPTS, GREEDY, use_tqdm=False),
                 two.generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+def test_group_wise_formats_are_refused(tiny_ckpt):
+    with pytest.raises(ValueError, match="'int4-g32-sym' cannot be split"):
+        LLM(tiny_ckpt("llama"), **SETTINGS, tensor_parallel_size=2, quantization="int4-g32-sym")
 
 
 def test_heads_not_divisible_fail_with_the_numbers(tiny_ckpt):

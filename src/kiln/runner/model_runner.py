@@ -21,8 +21,14 @@ from kiln.distributed.communicator import RankFailure
 from kiln.distributed.launch import RankGroup, default_threads_per_rank
 from kiln.engine.contract import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kiln.models.layers.attention import AttentionMetadata
+from kiln.models.layers.linear import get_linear_method
 from kiln.models.layers.ops import ops_for
-from kiln.models.layers.parallel import SINGLE, TensorParallel, check_tensor_parallel
+from kiln.models.layers.parallel import (
+    SINGLE,
+    TensorParallel,
+    check_row_shardable,
+    check_tensor_parallel,
+)
 from kiln.models.loader import load_model, read_hf_config
 from kiln.models.registry import resolve_architecture
 from kiln.platform import KernelSet, Platform
@@ -136,8 +142,7 @@ class ModelRunner:
         if size == 1 or ranks is not None:
             return None
         if model_config.quantization is not None:
-            raise ValueError(f"quantization {model_config.quantization!r} with "
-                             f"tensor_parallel_size {size}: sharded weights are dense only")
+            check_row_shardable(get_linear_method(model_config.quantization))
         _, arch = resolve_architecture(read_hf_config(model_path))
         check_tensor_parallel(size, arch.num_heads, arch.num_kv_heads, arch.intermediate_size)
         log.info("tensor parallel over %d ranks: decoder layers run one call each (the fused "

@@ -15,7 +15,7 @@ channel, kiln.distributed.step_channel; never pickled), and every rank then does
 So speculative decoding (n-gram drafts are tokens of the step), structured output (a
 bitmask on rank 0's logits) and prefix caching (block ids in the step) work unchanged.
 
-A following rank's process is `python -m kiln.runner.rank_main` (started by `Leader.start`).
+A following rank's process is `python -m kiln.distributed.cli` (started by `Leader.start`).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class Leader:
         for rank in range(1, size):
             launch = RankLaunch(model, str(model_path), cache, parallel, rank, store.port,
                                 os.getpid())
-            processes.append(spawn_rank("kiln.runner.rank_main", [
+            processes.append(spawn_rank("kiln.distributed.cli", [
                 "--launch-json", msgspec.json.encode(launch).decode()], threads))
         try:
             wait_until_started(store, processes)

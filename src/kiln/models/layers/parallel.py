@@ -160,12 +160,32 @@ class ColumnParallel:
         return None
 
 
+_DENSE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_row_shardable(method: LinearMethod) -> None:
+    """ValueError unless `method`'s weights split by input columns: dense, or a quantized
+    format (kiln.quant, which gives its methods a `fmt`) with one scale per output row and
+    weight-only (int8, fp8). Group-wise and per-tensor scales, and activations quantized per
+    token, would each be computed over one rank's columns: other numbers than one process's."""
+    fmt = getattr(method, "fmt", None)
+    if fmt is None:
+        return
+    layout = {t.name: t.cols for t in fmt.storage(2, 4)}
+    if layout != {"weight": 4, "weight_scale": 1} or getattr(method, "act_quant", False):
+        name = fmt.name + ("-dyn" if getattr(method, "act_quant", False) else "")
+        raise ValueError(f"weight format {name!r} cannot be split across tensor-parallel "
+                         f"ranks (only per-row scaled weight-only formats: int8, fp8)")
+
+
 class RowParallel:
     """A LinearMethod keeping input columns `cols` of W; `apply` all-reduces the partial sums.
-    The bias joins once, on rank 0 (the other ranks keep it zero). Dense weights only: a
-    quantized format's per-row scale would be computed from this rank's columns alone."""
+    The bias joins once, on rank 0 (the other ranks keep it zero). A quantized weight keeps
+    its rows' scales whole: a dense checkpoint tensor is quantized over full rows first, then
+    its codes are cut, so every rank's codes and scales are one process's."""
 
     def __init__(self, inner: LinearMethod, cols: slice, comm: Communicator):
+        check_row_shardable(inner)
         self.inner, self.cols, self.comm = inner, cols, comm
 
     def create_weights(self, layer, in_features, out_shards, bias, dtype):
@@ -176,10 +196,22 @@ class RowParallel:
             if self.comm.rank == 0:
                 self.inner.load_shard(layer, shard, name, tensor)
             return
-        if name != "weight" or tensor.dim() != 2:
-            raise ValueError(f"row-parallel linear: cannot split checkpoint tensor {name!r} "
-                             f"{tuple(tensor.shape)} by input columns (dense weights only)")
-        self.inner.load_shard(layer, shard, name, tensor[:, self.cols])
+        fmt = getattr(self.inner, "fmt", None)
+        if fmt is not None and name == "weight" and tensor.dtype in _DENSE:
+            stored = fmt.quantize(tensor)  # over full rows: the scales one process has
+        else:
+            stored = {name: tensor}
+        for key, value in stored.items():
+            self.inner.load_shard(layer, shard, key, self._columns(key, value))
+
+    def _columns(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a stored tensor: the weight's columns; a per-row scale whole."""
+        if name == "weight" and tensor.dim() == 2:
+            return tensor[:, self.cols]
+        if name == "weight_scale" and tensor.dim() == 2 and tensor.shape[1] == 1:
+            return tensor
+        raise ValueError(f"row-parallel linear: cannot split checkpoint tensor {name!r} "
+                         f"{tuple(tensor.shape)} by input columns")
 
     def finalize(self, layer):
         self.inner.finalize(layer)

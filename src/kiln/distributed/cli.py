@@ -1,7 +1,9 @@
-"""A following rank of a tensor-parallel engine: `python -m kiln.runner.rank_main --launch-json`.
+"""A following rank of a tensor-parallel engine: `python -m kiln.distributed.cli --launch-json`.
 
-It joins rank 0's groups, builds its part of the model runner, and runs rank 0's commands
-(kiln.runner.rank_loop) until told to stop. It exits when a collective fails (rank 0 died or
+The process entry rank 0 starts (kiln.runner.rank_loop.Leader), not a user's command. It
+registers kiln's plugins as the composition root does (the weight formats a checkpoint or
+`quantization` names), joins rank 0's groups, builds its part of the model runner, and runs
+rank 0's commands (kiln.runner.rank_loop) until told to stop. It exits when a collective fails (rank 0 died or
 stopped answering) and when rank 0's process is gone, whatever it was doing.
 """
 
@@ -14,6 +16,7 @@ import sys
 import msgspec
 import torch
 
+from kiln.assembly import register_plugins
 from kiln.distributed.communicator import RankFailure
 from kiln.distributed.launch import RankGroup, exit_with_parent, join_groups, join_store
 from kiln.runner.model_runner import ModelRunner
@@ -47,13 +50,14 @@ def follow(runner: ModelRunner, group: RankGroup) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kiln.runner.rank_main")
+    parser = argparse.ArgumentParser(prog="python -m kiln.distributed.cli")
     parser.add_argument("--launch-json", required=True, help="RankLaunch as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s rank %(levelname)s %(message)s")
     launch = msgspec.json.decode(args.launch_json, type=RankLaunch)
     exit_with_parent(launch.parent_pid)
+    register_plugins()
     p = launch.parallel
     store = join_store(launch.store_port, p.tensor_parallel_size, p.dist_timeout_s)
     store.set(started_key(launch.rank), "1")
