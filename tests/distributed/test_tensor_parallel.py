@@ -105,6 +105,15 @@ def test_qwen2_int8_replicated_kv_head_matches_one_process(qwen2_pair):
                 two.generate(PROMPTS, GREEDY, use_tqdm=False))
 
 
+def test_qwen3_qk_norm_matches_one_process(tiny_ckpt):
+    one, two = engine_pair(tiny_ckpt("qwen3"))  # q/k RMSNorm per head; head_dim 32 != 64 / 4
+    try:
+        assert_same(one.generate(PROMPTS, GREEDY, use_tqdm=False),
+                    two.generate(PROMPTS, GREEDY, use_tqdm=False))
+    finally:
+        two.close()
+
+
 def test_group_wise_formats_are_refused(tiny_ckpt):
     with pytest.raises(ValueError, match="'int4-g32-sym' cannot be split"):
         LLM(tiny_ckpt("llama"), **SETTINGS, tensor_parallel_size=2, quantization="int4-g32-sym")
