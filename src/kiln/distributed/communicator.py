@@ -57,8 +57,9 @@ class GlooCommunicator:
         self.timeout_s = timeout_s
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """bf16 is summed in fp32 and rounded once, as the shared-memory all-reduce does
-        (and gloo's own bf16 sum ran ~9x slower than its fp32 one in a first probe)."""
+        """bf16 is summed in fp32 and rounded once, as the shared-memory all-reduce does, so
+        both give the same bits whatever the number of ranks (benchmarks/tp_decode.py times
+        gloo's own bf16 sum beside it)."""
         if tensor.dtype != torch.bfloat16:
             bounded(lambda: self.group.allreduce([tensor]).wait(), "all-reduce",
                     self.timeout_s)
