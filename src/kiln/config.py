@@ -95,11 +95,30 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     num_threads: int | None = field(default=None, metadata=doc(
-        "torch intra-op threads", none_means="all cores of this process", flag="--threads"))
+        "torch intra-op threads (of each rank)",
+        none_means="all cores of this process; with ranks, cores // ranks each",
+        flag="--threads"))
+    # tensor parallelism (kiln.distributed, docs/parallelism.md): one engine over T rank
+    # processes on this machine, each holding 1/T of every layer's weights and KV heads
+    tensor_parallel_size: int = field(default=1, metadata=doc(
+        "rank processes one engine's layers are split across (tensor parallelism, this "
+        "machine, gloo)"))
+    all_reduce: Literal["auto", "gloo", "shm"] = field(default="auto", metadata=doc(
+        "the ranks' all-reduce: shm (shared memory, this machine), gloo (TCP), or auto: shm "
+        "where kiln's kernels build and it exists, else gloo"))
+    dist_timeout_s: float = field(default=60.0, metadata=doc(
+        "seconds a collective between ranks may wait before the engine fails (a dead rank "
+        "fails it at once)"))
 
     def __post_init__(self):
+        check_choices(self)
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.dist_timeout_s <= 0:
+            raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -199,6 +218,11 @@ class WorkerConfig:
             raise ValueError(f"worker_id must be non-empty without '.', got {self.worker_id!r}")
         if not 0 < self.pull_timeout_s <= 30 or not 0 < self.hold_timeout_s <= 30:
             raise ValueError("pull_timeout_s and hold_timeout_s must be in (0, 30]")
+        if self.role != "both" and self.engine.parallel.tensor_parallel_size > 1:
+            raise ValueError(f"a {self.role} worker moves KV blocks to other workers, which "
+                             f"tensor parallelism does not support yet (each rank holds only "
+                             f"its heads): use tensor_parallel_size 1, got "
+                             f"{self.engine.parallel.tensor_parallel_size}")
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,8 @@ class LLM:
     fields by name (kiln.config.engine_config_from: dtype, max_model_len, kv_cache_memory,
     enable_prefix_caching, block_size, max_num_seqs, max_num_batched_tokens,
     enable_chunked_prefill, policy or vLLM's scheduling_policy, quantization, seed,
-    num_threads, kernels, linear_backend, repetition_guard, ...); an unknown one is a
-    TypeError naming the closest. `speculator` or `speculative_config` turns on speculative
+    num_threads, kernels, linear_backend, tensor_parallel_size, repetition_guard, ...); an
+    unknown one is a TypeError naming the closest. `speculator` or `speculative_config` turns on speculative
     decoding (kiln.speculative.resolve); `tokenizer` defaults to the model's."""
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
@@ -65,6 +65,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def close(self) -> None:
+        """Stop the engine's other ranks (tensor_parallel_size > 1; they also stop when this
+        process exits). The LLM cannot generate afterwards."""
+        self.engine.runner.close()
 
     # -- public API -----------------------------------------------------------------------
 

@@ -343,7 +343,8 @@ def spawn_worker(config: WorkerConfig, incarnation: int) -> WorkerProcess:
     Threads are left unpinned unless the environment pins them: a pinned main thread passes
     its one core to every thread it starts later (ZMQ's I/O thread, the grammar compiler's
     pool), which then preempt OpenMP thread 0 while the others spin at the barrier, and the
-    gateway and clients share the cores too (docs/decisions/0012)."""
+    gateway and clients share the cores too (docs/decisions/0012). Tensor-parallel ranks get
+    cores // ranks threads each, unpinned (kiln.distributed.launch)."""
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     cmd = [sys.executable, "-m", "kiln.cluster.worker", "--config-json",

@@ -5,6 +5,9 @@ rotary positions on q and k, grouped-query attention, and a SwiGLU MLP. Activati
 batch of T tokens from any number of sequences; the paged KV cache and per-step attention
 metadata are passed in explicitly. Parameter names follow the HF checkpoints except the fused
 projections (`qkv_proj`, `gate_up_proj`), which the loader fills shard by shard.
+
+Built with a `TensorParallel` other than SINGLE, a module holds one rank's part: its heads,
+its columns of the MLP, its rows of the vocabulary (kiln.models.layers.parallel).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from kiln.models.layers.attention import AttentionBackend, AttentionMetadata
 from kiln.models.layers.linear import Linear, LinearMethod
 from kiln.models.layers.norm import RMSNorm
 from kiln.models.layers.ops import TorchOps, split_heads
+from kiln.models.layers.parallel import SINGLE, TensorParallel
 from kiln.models.layers.rotary import RotaryEmbedding
 
 # HF checkpoint module name -> (fused kiln module, shard index)
@@ -70,14 +74,18 @@ class LlamaArch:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, a: LlamaArch, prefix: str, method_for: MethodFor, dtype, backend, ops):
+    def __init__(self, a: LlamaArch, prefix: str, method_for: MethodFor, dtype, backend, ops,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
-        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        heads = tp.heads(a.num_heads, a.num_kv_heads)  # this rank's (all of them: SINGLE)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.q, heads.kv, a.head_dim
+        q_size, kv_size = heads.q * a.head_dim, heads.kv * a.head_dim
+        q_rows = heads.qkv_rows(a.head_dim)
         self.qkv_proj = Linear(a.hidden_size, (q_size, kv_size, kv_size), bias=a.qkv_bias,
-                               dtype=dtype, method=method_for(f"{prefix}.qkv_proj"))
+                               dtype=dtype,
+                               method=tp.column(method_for(f"{prefix}.qkv_proj"), q_rows))
         self.o_proj = Linear(q_size, a.hidden_size, dtype=dtype,
-                             method=method_for(f"{prefix}.o_proj"))
+                             method=tp.row(method_for(f"{prefix}.o_proj"), q_rows[0]))
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype)
@@ -102,12 +110,16 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
-    def __init__(self, a: LlamaArch, prefix: str, method_for: MethodFor, dtype, ops):
+    def __init__(self, a: LlamaArch, prefix: str, method_for: MethodFor, dtype, ops,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.gate_up_proj = Linear(a.hidden_size, [a.intermediate_size] * 2, dtype=dtype,
-                                   method=method_for(f"{prefix}.gate_up_proj"))
-        self.down_proj = Linear(a.intermediate_size, a.hidden_size, dtype=dtype,
-                                method=method_for(f"{prefix}.down_proj"))
+        cols = tp.part(a.intermediate_size)  # this rank's share of the intermediate size
+        size = cols.stop - cols.start
+        self.gate_up_proj = Linear(a.hidden_size, [size] * 2, dtype=dtype,
+                                   method=tp.column(method_for(f"{prefix}.gate_up_proj"),
+                                                    (cols, cols)))
+        self.down_proj = Linear(size, a.hidden_size, dtype=dtype,
+                                method=tp.row(method_for(f"{prefix}.down_proj"), cols))
         self.ops = ops
 
     def forward(self, x):
@@ -118,20 +130,21 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block. The residual stream is carried separately so each norm can fuse the
     preceding residual add: (x, residual) -> (mlp_out, residual + attn_out)."""
 
-    def __init__(self, a: LlamaArch, prefix: str, method_for: MethodFor, dtype, backend, ops):
+    def __init__(self, a: LlamaArch, prefix: str, method_for: MethodFor, dtype, backend, ops,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(a, f"{prefix}.self_attn", method_for, dtype, backend,
-                                        ops)
+                                        ops, tp)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.add_feed_forward(a, prefix, method_for, dtype, ops)
+        self.add_feed_forward(a, prefix, method_for, dtype, ops, tp)
         self.ops = ops
 
     def add_feed_forward(self, a: LlamaArch, prefix: str, method_for: MethodFor, dtype,
-                         ops) -> None:
+                         ops, tp: TensorParallel = SINGLE) -> None:
         """Registers the block's feed-forward under its checkpoint name (a hook: the MoE
         families register their sparse block, kiln.models.mixtral and qwen_moe)."""
-        self.mlp = LlamaMLP(a, f"{prefix}.mlp", method_for, dtype, ops)
+        self.mlp = LlamaMLP(a, f"{prefix}.mlp", method_for, dtype, ops, tp)
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.mlp(h)
@@ -158,33 +171,42 @@ def norm_eps(layer: LlamaDecoderLayer) -> float:
 
 class LlamaModel(nn.Module):
     def __init__(self, a: LlamaArch, method_for: MethodFor, dtype, backend, ops,
+                 tp: TensorParallel = SINGLE,
                  make_layer: Callable[[int], nn.Module] | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype, device="cpu")
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = tp.embedding(a.vocab_size, a.hidden_size, dtype)
         make_layer = make_layer or (lambda i: LlamaDecoderLayer(
-            a, f"model.layers.{i}", method_for, dtype, backend, ops))
+            a, f"model.layers.{i}", method_for, dtype, backend, ops, tp))
         self.layers = nn.ModuleList(make_layer(i) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(input_ids [T], positions [T]) -> hidden [T, H]; compute_logits -> [N, V]."""
+    """forward(input_ids [T], positions [T]) -> hidden [T, H]; compute_logits -> [N, V]
+    (with tensor parallelism: on rank 0; None on the others)."""
 
     packed_modules = PACKED_MODULES
 
     def __init__(self, a: LlamaArch, dtype: torch.dtype, backend: AttentionBackend,
-                 method_for: MethodFor = lambda prefix: None, ops: TorchOps | None = None):
+                 method_for: MethodFor = lambda prefix: None, ops: TorchOps | None = None,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.arch = a
+        self.arch, self.tp = a, tp
         self.ops = ops or TorchOps()
-        self.model = LlamaModel(a, method_for, dtype, backend, self.ops,
-                                self.layer_maker(a, method_for, dtype, backend, self.ops))
+        make_layer = self.layer_maker(a, method_for, dtype, backend, self.ops)
+        if make_layer is not None and tp.size > 1:
+            raise ValueError(f"tensor_parallel_size {tp.size}: {type(self).__name__} runs in one "
+                             f"process only (its experts are not sharded yet); use 1")
+        self.model = LlamaModel(a, method_for, dtype, backend, self.ops, tp, make_layer)
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta,
                                       a.rope_scaling, dtype)
-        # with tied embeddings the loader fills lm_head from embed_tokens (packed separately)
-        self.lm_head = Linear(a.hidden_size, a.vocab_size, dtype=dtype,
-                              method=method_for("lm_head"))
+        # with tied embeddings the loader fills lm_head from embed_tokens (packed separately),
+        # which already holds just this rank's rows of the vocabulary
+        vocab = tp.vocab_rows(a.vocab_size)
+        per_rank = tp.vocab_per_rank(a.vocab_size)
+        rows = slice(0, per_rank) if a.tie_word_embeddings else vocab
+        self.lm_head = Linear(a.hidden_size, per_rank, dtype=dtype,
+                              method=tp.column(method_for("lm_head"), (rows,)))
 
     def layer_maker(self, a: LlamaArch, method_for: MethodFor, dtype, backend,
                     ops) -> Callable[[int], nn.Module] | None:
@@ -203,4 +225,5 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, V] from the LM head's fp32 sums (never rounded to the model dtype)."""
-        return self.lm_head.method.apply_fp32(self.lm_head, hidden)
+        logits = self.lm_head.method.apply_fp32(self.lm_head, hidden)
+        return self.tp.gather_logits(logits, self.arch.vocab_size)

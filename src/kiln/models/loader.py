@@ -60,12 +60,14 @@ def weight_files(path: Path) -> list[Path]:
 
 def load_model(path: str | Path, dtype: torch.dtype, backend,
                quantization: str | None = None, linear_backend: str = "auto",
-               ops=None) -> LoadedModel:
+               ops=None, tp=None) -> LoadedModel:
+    """`tp` (a kiln.models.layers.parallel.TensorParallel): load only this rank's part."""
     path = Path(path)
     hf_config = read_hf_config(path)
     cls, arch = resolve_architecture(hf_config)
     method_for = _method_chooser(hf_config, quantization, dense_method(dtype, linear_backend))
-    model = cls(arch, dtype=dtype, backend=backend, method_for=method_for, ops=ops)
+    sharded = {} if tp is None else {"tp": tp}
+    model = cls(arch, dtype=dtype, backend=backend, method_for=method_for, ops=ops, **sharded)
     _load_weights(model, path)
     if arch.tie_word_embeddings:
         model.lm_head.method.load_shard(model.lm_head, 0, "weight",
@@ -196,6 +198,10 @@ def _load_one(model: nn.Module, name: str, tensor: torch.Tensor) -> str:
     if isinstance(module, Linear):
         module.method.load_shard(module, shard, suffix, tensor)
         return module_path
+    keep_part = getattr(module, "load_checkpoint_tensor", None)
+    if keep_part is not None:  # a module keeping its rank's part (tensor parallelism)
+        keep_part(suffix, tensor)
+        return f"{module_path}.{suffix}"
     param = getattr(module, suffix, None)
     if not isinstance(param, torch.Tensor) or param.shape != tensor.shape:
         raise CheckpointError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "

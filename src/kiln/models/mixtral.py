@@ -48,7 +48,7 @@ class MixtralArch(LlamaArch):
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
-    def add_feed_forward(self, a: MixtralArch, prefix, method_for, dtype, ops) -> None:
+    def add_feed_forward(self, a: MixtralArch, prefix, method_for, dtype, ops, tp=None) -> None:
         self.block_sparse_moe = SparseMoeBlock(a.moe, f"{prefix}.block_sparse_moe", method_for,
                                                dtype, ops)
 

@@ -68,7 +68,7 @@ class QwenMoeDecoderLayer(LlamaDecoderLayer):
         self.sparse = index in a.sparse_layers
         super().__init__(a, f"model.layers.{index}", method_for, dtype, backend, ops)
 
-    def add_feed_forward(self, a: QwenMoeArch, prefix, method_for, dtype, ops) -> None:
+    def add_feed_forward(self, a: QwenMoeArch, prefix, method_for, dtype, ops, tp=None) -> None:
         if self.sparse:
             self.mlp = SparseMoeBlock(a.moe, f"{prefix}.mlp", method_for, dtype, ops)
         else:

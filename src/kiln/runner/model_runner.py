@@ -3,6 +3,10 @@
 The only place that builds batch tensors. One `execute` call: build the flat batch, run the
 model once over every scheduled token, compute logits only for the rows that need them, then
 sample (and verify draft tokens) and compute logprobs.
+
+With tensor parallelism (`parallel.tensor_parallel_size` > 1) this runner is rank 0: it
+starts the other ranks (kiln.runner.rank_loop) and tells them each step before running its
+own part; a following rank's runner (built with `ranks`) runs `follow_step` instead.
 """
 
 from __future__ import annotations
@@ -13,15 +17,26 @@ from dataclasses import dataclass
 import torch
 
 from kiln.config import CacheConfig, ModelConfig, ParallelConfig, default_num_threads
+from kiln.distributed.communicator import RankFailure
+from kiln.distributed.launch import RankGroup, default_threads_per_rank
 from kiln.engine.contract import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kiln.models.layers.attention import AttentionMetadata
+from kiln.models.layers.linear import get_linear_method
 from kiln.models.layers.ops import ops_for
-from kiln.models.loader import load_model
+from kiln.models.layers.parallel import (
+    SINGLE,
+    TensorParallel,
+    check_row_shardable,
+    check_tensor_parallel,
+)
+from kiln.models.loader import load_model, read_hf_config
+from kiln.models.registry import resolve_architecture
 from kiln.platform import KernelSet, Platform
 from kiln.runner import fused_stack
 from kiln.runner.attention import get_attention_backend
 from kiln.runner.batch import BatchInputs, LogitsRows, build_batch
 from kiln.runner.hooks import NoGrammar, StepGrammar, StepGrammarFactory, VerifyShortlist
+from kiln.runner.rank_loop import AllocateKV, Leader, MoveSlots, RunStep, step_seqs
 from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs, take_rows
 from kiln.runner.verify import VerifyGroup, verify
 
@@ -79,23 +94,34 @@ class StepHidden:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_path: str, cache: CacheConfig,
-                 parallel: ParallelConfig, eos_token_ids: frozenset[int]):
-        torch.set_num_threads(parallel.num_threads or default_num_threads())
+                 parallel: ParallelConfig, eos_token_ids: frozenset[int],
+                 ranks: RankGroup | None = None):
+        """`ranks`: this is a following rank of a tensor-parallel engine (rank_loop.main)."""
+        size = parallel.tensor_parallel_size
+        torch.set_num_threads(parallel.num_threads or (
+            default_num_threads() if size == 1 else default_threads_per_rank(size)))
         self.platform = Platform.detect(model_config)
         log.info("platform: %s", self.platform.describe())
         self.dtype, self.device = self.platform.dtype, self.platform.device
         self.ops = ops_for(self.platform.kernels)
         self.backend = get_attention_backend(self.platform.attention_backend)
+        # rank 0 of several: start the others (their processes load their parts meanwhile)
+        self.leader = self._start_ranks(model_config, model_path, cache, parallel, ranks)
+        if self.leader is not None:
+            ranks = self.leader.group
+        tp = SINGLE if ranks is None else TensorParallel(ranks.comm)
         loaded = load_model(model_path, self.dtype, self.backend, model_config.quantization,
-                            model_config.linear_backend, self.ops)
+                            model_config.linear_backend, self.ops,
+                            tp=None if ranks is None else tp)
         # built and loaded on the CPU (the LinearMethod contract), then on the platform's device
         self.model, self.hf_config = loaded.model.to(self.device), loaded.hf_config
         # the decoder stack as one call where the platform and every layer allow it
-        self.stack = self._stack_weights()
+        self.stack = self._stack_weights() if ranks is None else None
         arch = self.model.arch
         self.vocab_size = arch.vocab_size
-        self.kv_spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                                   self.dtype, cache.block_size)
+        self.kv_spec = KVCacheSpec(arch.num_layers, tp.heads(arch.num_heads,
+                                                             arch.num_kv_heads).kv,
+                                   arch.head_dim, self.dtype, cache.block_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(arch.vocab_size, eos_token_ids, model_config.seed, self.device)
         self._generators: dict[str, torch.Generator] = {}
@@ -106,6 +132,27 @@ class ModelRunner:
         # set by the composition root: each step's grammar bitmask (kiln.structured.bitmask)
         self.grammar_rows: StepGrammarFactory = NoGrammar
         self.last_step: StepHidden | None = None
+
+    @staticmethod
+    def _start_ranks(model_config: ModelConfig, model_path: str, cache: CacheConfig,
+                     parallel: ParallelConfig, ranks: RankGroup | None) -> Leader | None:
+        """Rank 0 of a tensor-parallel engine: check the model splits (before any process
+        starts), start the other ranks and join them. None for one process or a follower."""
+        size = parallel.tensor_parallel_size
+        if size == 1 or ranks is not None:
+            return None
+        if model_config.quantization is not None:
+            check_row_shardable(get_linear_method(model_config.quantization))
+        _, arch = resolve_architecture(read_hf_config(model_path))
+        check_tensor_parallel(size, arch.num_heads, arch.num_kv_heads, arch.intermediate_size)
+        log.info("tensor parallel over %d ranks: decoder layers run one call each (the fused "
+                 "stack has no collective)", size)
+        return Leader.start(model_config, model_path, cache, parallel)
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do in one process)."""
+        if self.leader is not None:
+            self.leader.close()
 
     def _stack_weights(self) -> fused_stack.StackWeights | None:
         if not self.platform.fused_stack:
@@ -121,6 +168,8 @@ class ModelRunner:
         Left uninitialized, so the OS maps pages only as blocks are first written; attention
         reads only written slots, except padded lanes of the reference path, which read slot 0
         (masked out, but 0 x NaN would still be NaN): so block 0 is zeroed."""
+        if self.leader is not None:
+            self.leader.send(AllocateKV(num_blocks))
         s = self.kv_spec
         shape = (num_blocks * s.block_size, s.num_kv_heads, s.head_dim)
         self.kv_caches = []
@@ -139,14 +188,26 @@ class ModelRunner:
     # -- one step -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, sched: SchedulerOutput) -> tuple[BatchInputs, torch.Tensor]:
+    def forward(self, sched: SchedulerOutput,
+                logits: bool = False) -> tuple[BatchInputs, torch.Tensor]:
         """The step's batch and final hidden states [T, H] (KV written), before the LM head:
-        `execute` samples from them; a draft model's proposer scores a draft vocabulary."""
+        `execute` samples from them; a draft model's proposer scores a draft vocabulary.
+        `logits`: the LM head runs next on the batch's logits rows (the other ranks join)."""
         self.release(sched.finished_ids)
         batch = build_batch(sched, self.device)
+        if self.leader is not None:
+            rows = batch.logits_index.tolist() if logits else None
+            self.leader.send(RunStep(step_seqs(sched), rows))
         meta = self.backend.build_metadata(batch.layout, batch.slot_positions,
                                            self.kv_spec.block_size)
         return batch, self._run_model(batch, meta)
+
+    @torch.inference_mode()
+    def follow_step(self, sched: SchedulerOutput, logits_index: list[int] | None) -> None:
+        """A following rank's share of rank 0's step: the forward, then its LM head rows."""
+        _, hidden = self.forward(sched)
+        if logits_index is not None:
+            self.model.compute_logits(hidden[torch.tensor(logits_index, dtype=torch.int64)])
 
     def _run_model(self, batch: BatchInputs, meta: AttentionMetadata) -> torch.Tensor:
         """The fused stack where it serves this step, else the model's per-layer forward
@@ -156,9 +217,17 @@ class ModelRunner:
                                            self.kv_caches, meta)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, meta)
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        batch, hidden = self.forward(sched)
+        try:
+            return self._execute(sched)
+        except RankFailure:
+            if self.leader is not None:  # the engine cannot go on: stop the other ranks
+                self.leader.abort()
+            raise
+
+    @torch.inference_mode()
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        batch, hidden = self.forward(sched, logits=True)
         if self.keep_hidden:  # a speculator (kiln.speculative) reads this step's hidden states
             self.last_step = StepHidden(batch, hidden)
         plan = self._plan(sched.scheduled, batch.rows)
@@ -224,20 +293,25 @@ class ModelRunner:
                 row_dst.append(q_start + root + 1 + j)
         if not src:
             return
-        # gathered, then written
-        src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
-        if self.platform.kernels is KernelSet.CPP:  # one call for every layer
-            torch.ops.kiln.move_slots([c for kv in self.kv_caches for c in kv], src_t, dst_t)
-        else:
-            for k, v in self.kv_caches:
-                k[dst_t] = k[src_t]
-                v[dst_t] = v[src_t]
+        if self.leader is not None:
+            self.leader.send(MoveSlots(src, dst))
+        self.move_slots(torch.tensor(src, device=self.device),
+                        torch.tensor(dst, device=self.device))
         step = self.last_step
         if step is not None and step.batch is batch:
             rows = torch.arange(len(batch.input_ids), device=self.device)
             rows[torch.tensor(row_dst, device=self.device)] = torch.tensor(row_src,
                                                                            device=self.device)
             step.rows = rows
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K and V from slots `src` to `dst` (gathered, then written)."""
+        if self.platform.kernels is KernelSet.CPP:  # one call for every layer
+            torch.ops.kiln.move_slots([c for kv in self.kv_caches for c in kv], src, dst)
+        else:
+            for k, v in self.kv_caches:
+                k[dst] = k[src]
+                v[dst] = v[src]
 
     def _plan(self, scheduled: list[ScheduledRequest], rows: list[LogitsRows]) -> SamplePlan:
         """The step's sampling rows: a request with drafts has 1 + k of them."""

@@ -1,0 +1,187 @@
+"""Tensor parallelism on one machine: TP=1 (one process, T threads) vs TP=2 (2 ranks, T/2
+threads each), and the per-call latency of the all-reduce between ranks.
+
+Rows per model: batch-1 decode tok/s (128-token prompt, 128 new tokens; decode time is the
+whole request's minus a 1-token request's), and 64 x 128/128 throughput (output tok/s).
+Models: the bundled default (SmolLM2-135M, bf16) and, with --random-1b, a random-weight Llama
+of ~1.1B parameters (TinyLlama's shape) made on the fly. The all-reduce probe times gloo (and
+the shared-memory all-reduce where kiln.distributed.shm_allreduce exists) between 2 ranks at
+batch 1 and 64 rows of the model's hidden size, and estimates a decode step's communication
+time as 2 all-reduces per layer.
+
+usage: python benchmarks/tp_decode.py [--threads 2] [--random-1b] [--reps 3]
+       [--out benchmarks/results/tp_decode.json]
+       smoke check (tiny model, few tokens): python benchmarks/tp_decode.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+# TinyLlama-1.1B's shape: 22 layers, hidden 2048, 32 heads over 4 KV heads
+ONE_B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+             num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
+
+
+def make_models(args, workdir: Path) -> dict[str, str | None]:
+    from kiln.testing.tiny import make_tiny_checkpoint
+
+    if args.tiny:
+        return {"tiny": str(make_tiny_checkpoint(workdir / "tiny", "llama"))}
+    models: dict[str, str | None] = {"default": None}
+    if args.random_1b:
+        models["random-1.1b"] = str(make_tiny_checkpoint(
+            workdir / "llama-1b", "llama", dtype="bfloat16", vocab_size=32000, **ONE_B))
+    return models
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 1, (n, length), generator=g).tolist()
+
+
+def timed(llm, batch: list[list[int]], max_tokens: int, reps: int) -> float:
+    from kiln import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        llm.generate(batch, params, use_tqdm=False)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def measure(model: str | None, tp: int, threads: int, args, all_reduce: str = "gloo") -> dict:
+    from kiln import LLM
+
+    llm = LLM(model, tensor_parallel_size=tp, num_threads=threads, all_reduce=all_reduce,
+              enable_prefix_caching=False, max_num_seqs=max(64, args.batch))
+    try:
+        vocab = llm.engine.vocab_size
+        one = prompts(1, args.prompt_len, vocab, 0)
+        timed(llm, one, 4, 1)  # warm up
+        decode_s = timed(llm, one, args.new_tokens, args.reps) - timed(llm, one, 1, args.reps)
+        batch = prompts(args.batch, args.prompt_len, vocab, 1)
+        batch_s = timed(llm, batch, args.new_tokens, max(1, args.reps // 2))
+        return {"tp": tp, "threads_per_rank": threads,
+                "all_reduce": all_reduce if tp > 1 else None,
+                "batch1_decode_tok_s": (args.new_tokens - 1) / decode_s,
+                f"batch{args.batch}_out_tok_s": args.batch * args.new_tokens / batch_s}
+    finally:
+        llm.close()
+
+
+# -- the all-reduce probe ----------------------------------------------------------------------
+
+def _probe_rank(rank: int, port: int, rows: list[int], hidden: int, calls: int,
+                results) -> None:
+    from kiln.distributed.launch import join_groups, join_store
+
+    torch.set_num_threads(1)
+    group = join_groups(join_store(port, 2, 60), rank, 2, 60)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in rows:
+            out[f"gloo {str(dtype)[6:]} [{n}, {hidden}]"] = _time_calls(
+                group.comm.all_reduce_, torch.randn(n, hidden).to(dtype), calls)
+            if dtype == torch.bfloat16:  # gloo's own bf16 sum (the communicator widens)
+                out[f"gloo-raw bfloat16 [{n}, {hidden}]"] = _time_calls(
+                    lambda t: group.comm.group.allreduce([t]).wait(),
+                    torch.randn(n, hidden).to(dtype), calls)
+            shm = _shm_reducer(rank, n * hidden * 4)
+            if shm is not None:
+                out[f"shm {str(dtype)[6:]} [{n}, {hidden}]"] = _time_calls(
+                    shm.all_reduce_, torch.randn(n, hidden).to(dtype), calls)
+                shm.close()
+    if rank == 0:
+        results.update(out)
+    group.close()
+
+
+def _shm_reducer(rank: int, max_bytes: int):
+    try:
+        from kiln.distributed.shm_allreduce import ShmAllReduce
+    except ImportError:
+        return None
+    return ShmAllReduce(f"kiln-tp-probe-{max_bytes}", rank, 2, max_bytes)
+
+
+def _time_calls(call, tensor: torch.Tensor, calls: int) -> float:
+    for _ in range(10):
+        call(tensor)
+    samples = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        call(tensor)
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples) * 1e6  # microseconds
+
+
+def probe_all_reduce(hidden: int, calls: int) -> dict[str, float]:
+    from kiln.distributed.launch import open_store
+
+    store = open_store(2, 60)
+    with mp.Manager() as manager:
+        results = manager.dict()
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_probe_rank, args=(r, store.port, [1, 64], hidden, calls,
+                                                       results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        return dict(results)
+
+
+def main() -> int:
+    from kiln.distributed.communicator import shm_available
+    from kiln.engine.core import resolve_model_path
+    from kiln.models.loader import read_hf_config
+
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--threads", type=int, default=2, help="cores: TP=1 threads, TP=2 each half")
+    p.add_argument("--random-1b", action="store_true", help="also a random-weight ~1.1B Llama")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--calls", type=int, default=2000, help="all-reduce calls timed per size")
+    p.add_argument("--tiny", action="store_true", help="smoke check: tiny model, few tokens")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/tp_decode.json")
+    args = p.parse_args()
+    if args.tiny:
+        args.reps, args.prompt_len, args.new_tokens, args.batch, args.calls = 1, 8, 4, 4, 20
+    results: dict = {"threads": args.threads, "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, model in make_models(args, Path(tmp)).items():
+            rows = [measure(model, 1, args.threads, args)]
+            for all_reduce in ("gloo", "shm") if shm_available() else ("gloo",):
+                rows.append(measure(model, 2, max(1, args.threads // 2), args, all_reduce))
+            cfg = read_hf_config(resolve_model_path(model))
+            latency = probe_all_reduce(cfg["hidden_size"], args.calls)
+            gloo_b1 = latency[f"gloo bfloat16 [1, {cfg['hidden_size']}]"]
+            results["models"][name] = {
+                "runs": rows, "all_reduce_us": latency,
+                "decode_step_comm_ms_gloo_bf16": 2 * cfg["num_hidden_layers"] * gloo_b1 / 1e3}
+            print(json.dumps({name: results["models"][name]}, indent=1))
+    if not args.tiny:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The collectives tensor parallelism calls, behind one small protocol.
+
+A `Communicator` is what a sharded layer holds: `all_reduce_` after a row-parallel matmul
+(and the vocab-parallel embedding), `gather_to_first` for the LM head's logits. The gloo
+implementation here runs on any machine; a faster one (shared memory between ranks on one
+machine, NCCL on GPUs) is another class with the same four members: `ShmCommunicator`
+sums through kiln.distributed.shm_allreduce and gathers over gloo.
+
+Every collective is bounded: a rank that died makes the others' next collective fail at once
+(gloo sees the closed connection), one that hangs makes it fail after `timeout_s`. Either way
+the caller gets a `RankFailure` naming what happened, never a hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class RankFailure(RuntimeError):
+    """A collective between tensor-parallel ranks failed: a rank died or stopped answering."""
+
+
+class Communicator(Protocol):
+    """The collectives of one group of ranks. Each call is made by every rank of the group,
+    in the same order; a call returns once every rank has made it."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks in place (fp32 or bf16); returns it."""
+
+    def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Rank 0 gets every rank's `tensor` (same shape and dtype on all), in rank order;
+        the other ranks get None."""
+
+
+def open_gloo_group(store: dist.Store, name: str, rank: int, world_size: int,
+                    timeout_s: float) -> dist.ProcessGroupGloo:
+    """A gloo group of its own (not torch.distributed's global default group, so several
+    engines can live in one process): `name` keeps its rendezvous keys apart in `store`."""
+    return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world_size,
+                                 timedelta(seconds=timeout_s))
+
+
+class GlooCommunicator:
+    """`Communicator` over a gloo process group (TCP; loopback on one machine)."""
+
+    def __init__(self, group: dist.ProcessGroupGloo, timeout_s: float):
+        self.group = group
+        self.rank, self.world_size = group.rank(), group.size()
+        self.timeout_s = timeout_s
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """bf16 is summed in fp32 and rounded once, as the shared-memory all-reduce does, so
+        both give the same bits whatever the number of ranks (benchmarks/tp_decode.py times
+        gloo's own bf16 sum beside it)."""
+        if tensor.dtype != torch.bfloat16:
+            bounded(lambda: self.group.allreduce([tensor]).wait(), "all-reduce",
+                    self.timeout_s)
+            return tensor
+        wide = tensor.float()
+        bounded(lambda: self.group.allreduce([wide]).wait(), "all-reduce", self.timeout_s)
+        return tensor.copy_(wide)
+
+    def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        tensor = tensor.contiguous()
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        out = ([[torch.empty_like(tensor) for _ in range(self.world_size)]]
+               if self.rank == 0 else [])
+        bounded(lambda: self.group.gather(out, [tensor], options).wait(), "gather",
+                self.timeout_s)
+        return out[0] if self.rank == 0 else None
+
+    def close(self) -> None:
+        """Release the group's connections (safe after a failure, unlike its destructor)."""
+        self.group.shutdown()
+
+
+class ShmCommunicator(GlooCommunicator):
+    """All-reduce through a shared-memory segment (ranks on one machine); the gather, rarer
+    and larger, stays on gloo. A rank that dies is seen here only when the wait for it times
+    out (`timeout_s`), where gloo sees the closed connection at once."""
+
+    def __init__(self, group: dist.ProcessGroupGloo, timeout_s: float, name: str,
+                 max_bytes: int = 4 << 20):
+        super().__init__(group, timeout_s)
+        from kiln.distributed.shm_allreduce import ShmAllReduce
+
+        self.shm = ShmAllReduce(name, self.rank, self.world_size, max_bytes,
+                                timeout_s=timeout_s)
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        bounded(lambda: self.shm.all_reduce_(tensor), "shared-memory all-reduce",
+                self.timeout_s)
+        return tensor
+
+    def close(self) -> None:
+        self.shm.close()
+        super().close()
+
+
+def shm_available() -> bool:
+    """Whether the shared-memory all-reduce can run here (its module and kiln's kernels)."""
+    try:
+        from kiln.distributed import shm_allreduce  # noqa: F401
+    except ImportError:
+        return False
+    from kiln.kernels import cpu as cpu_kernels
+
+    return cpu_kernels.load()
+
+
+def bounded(collective: Callable[[], object], what: str, timeout_s: float) -> None:
+    """Run a collective, turning gloo's failure (a peer closed its connection, or the group's
+    timeout passed) into a RankFailure that says so."""
+    try:
+        collective()
+    except RuntimeError as exc:
+        raise RankFailure(f"tensor-parallel {what} failed: a rank died or did not answer "
+                          f"within {timeout_s:g} s ({str(exc).splitlines()[0][:300]})") from exc

@@ -1,0 +1,254 @@
+"""Tensor parallelism in the model: which part of each layer a rank holds, and its collectives.
+
+Megatron's split, over T ranks:
+  - column-parallel (QKV, gate/up, the LM head): a rank holds some output rows of W and
+    computes those outputs; no communication.
+  - row-parallel (o_proj, down_proj): a rank holds the matching input columns, computes a
+    partial sum, and one all-reduce adds the ranks' partial sums.
+  - attention runs on a rank's own heads: Hq / T query heads and their KV heads (Hkv / T,
+    or, where T exceeds Hkv, the one KV head its query heads share, replicated), so each
+    rank's KV cache holds only its heads.
+  - the vocab-parallel embedding holds ceil(V / T) rows of the table (zeros past V); a token
+    another rank holds looks up zeros here, and one all-reduce assembles the rows.
+  - the LM head's logits [N, ceil(V / T)] are gathered to rank 0 in fp32 and cut to V.
+
+`TensorParallel` is what a model is built with: `SINGLE` (one process) hands every method back
+unchanged, so the single-process model is the same module, weights and bits as before.
+The sharded methods wrap the weight format's own method (the linear-method seam,
+kiln.models.layers.linear): they slice each checkpoint tensor to this rank's part and hand it
+on, and a row-parallel one all-reduces the output. Their `stack_tensors` is None: the fused
+decoder stack has no collective, so ranks run the layers one call each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.distributed.communicator import Communicator
+from kiln.models.layers.linear import Linear, LinearMethod, StackTensors
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """One rank's attention heads: query heads [q_start, q_start + q) and KV heads
+    [kv_start, kv_start + kv) of the full model."""
+
+    q: int
+    kv: int
+    q_start: int
+    kv_start: int
+
+    def qkv_rows(self, head_dim: int) -> tuple[slice, slice, slice]:
+        """Rows of the checkpoint's q, k and v weights this rank keeps."""
+        q = slice(self.q_start * head_dim, (self.q_start + self.q) * head_dim)
+        kv = slice(self.kv_start * head_dim, (self.kv_start + self.kv) * head_dim)
+        return q, kv, kv
+
+
+class TensorParallel:
+    """A model's place among T ranks; `SINGLE` is the one-process model."""
+
+    def __init__(self, comm: Communicator | None):
+        self.comm = comm
+        self.rank = comm.rank if comm is not None else 0
+        self.size = comm.world_size if comm is not None else 1
+
+    def heads(self, num_heads: int, num_kv_heads: int) -> HeadSplit:
+        q = num_heads // self.size
+        if self.size <= num_kv_heads:
+            kv = num_kv_heads // self.size
+            return HeadSplit(q, kv, self.rank * q, self.rank * kv)
+        # more ranks than KV heads: ranks_per_kv ranks share (replicate) each KV head
+        ranks_per_kv = self.size // num_kv_heads
+        return HeadSplit(q, 1, self.rank * q, self.rank // ranks_per_kv)
+
+    def part(self, n: int) -> slice:
+        """This rank's equal share of n (n divisible by size: check_tensor_parallel)."""
+        per = n // self.size
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+    def vocab_rows(self, vocab_size: int) -> slice:
+        """This rank's rows of the vocabulary: ceil(V / T) of them, the last share short."""
+        per = -(-vocab_size // self.size)
+        return slice(self.rank * per, min(vocab_size, (self.rank + 1) * per))
+
+    def vocab_per_rank(self, vocab_size: int) -> int:
+        return -(-vocab_size // self.size)
+
+    def column(self, method: LinearMethod, rows: Sequence[slice]) -> LinearMethod:
+        """`method` keeping `rows[i]` of output shard i (one process: `method` itself)."""
+        return method if self.comm is None else ColumnParallel(method, tuple(rows))
+
+    def row(self, method: LinearMethod, cols: slice) -> LinearMethod:
+        """`method` keeping input columns `cols`, its output summed over the ranks."""
+        return method if self.comm is None else RowParallel(method, cols, self.comm)
+
+    def embedding(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> nn.Module:
+        if self.comm is None:
+            embed = nn.Embedding(vocab_size, hidden_size, dtype=dtype, device="cpu")
+            embed.weight.requires_grad_(False)
+            return embed
+        return VocabParallelEmbedding(vocab_size, hidden_size, dtype, self)
+
+    def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """Every rank's fp32 logits [N, V / T] -> rank 0's [N, V]; None on the others."""
+        if self.comm is None:
+            return local
+        parts = self.comm.gather_to_first(local)
+        return None if parts is None else torch.cat(parts, dim=-1)[..., :vocab_size]
+
+
+SINGLE = TensorParallel(None)
+
+
+def check_tensor_parallel(size: int, num_heads: int, num_kv_heads: int,
+                          intermediate_size: int) -> None:
+    """ValueError naming the numbers where the model cannot be split over `size` ranks."""
+    if size == 1:
+        return
+    problems = []
+    if num_heads % size:
+        problems.append(f"{num_heads} attention heads")
+    if num_kv_heads % size and size % num_kv_heads:
+        problems.append(f"{num_kv_heads} KV heads (neither divides the other)")
+    if intermediate_size % size:
+        problems.append(f"intermediate size {intermediate_size}")
+    if problems:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's "
+                         f"{', '.join(problems)}")
+
+
+def take_rows(tensor: torch.Tensor, rows: slice, size: int) -> torch.Tensor:
+    """tensor[rows] padded with zero rows to `size` (the vocabulary's short last share)."""
+    part = tensor[rows]
+    if part.shape[0] == size:
+        return part
+    pad = part.new_zeros((size - part.shape[0], *part.shape[1:]))
+    return torch.cat([part, pad])
+
+
+class ColumnParallel:
+    """A LinearMethod keeping some output rows of each shard: `rows[i]` of the checkpoint's
+    tensors for output shard i (every tensor a format stores is indexed by output row first:
+    weights, biases, per-row scales). The layer is built with this rank's shard sizes."""
+
+    def __init__(self, inner: LinearMethod, rows: tuple[slice, ...]):
+        self.inner, self.rows = inner, rows
+
+    def create_weights(self, layer, in_features, out_shards, bias, dtype):
+        self.inner.create_weights(layer, in_features, out_shards, bias, dtype)
+
+    def load_shard(self, layer: Linear, shard, name, tensor):
+        part = take_rows(tensor, self.rows[shard], layer.out_shards[shard])
+        self.inner.load_shard(layer, shard, name, part)
+
+    def finalize(self, layer):
+        self.inner.finalize(layer)
+
+    def apply(self, layer, x):
+        return self.inner.apply(layer, x)
+
+    def apply_fp32(self, layer, x):
+        return self.inner.apply_fp32(layer, x)
+
+    def stack_tensors(self, layer) -> StackTensors | None:
+        return None
+
+
+_DENSE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_row_shardable(method: LinearMethod) -> None:
+    """ValueError unless `method`'s weights split by input columns: dense, or a quantized
+    format (kiln.quant, which gives its methods a `fmt`) with one scale per output row and
+    weight-only (int8, fp8). Group-wise and per-tensor scales, and activations quantized per
+    token, would each be computed over one rank's columns: other numbers than one process's."""
+    fmt = getattr(method, "fmt", None)
+    if fmt is None:
+        return
+    layout = {t.name: t.cols for t in fmt.storage(2, 4)}
+    if layout != {"weight": 4, "weight_scale": 1} or getattr(method, "act_quant", False):
+        name = fmt.name + ("-dyn" if getattr(method, "act_quant", False) else "")
+        raise ValueError(f"weight format {name!r} cannot be split across tensor-parallel "
+                         f"ranks (only per-row scaled weight-only formats: int8, fp8)")
+
+
+class RowParallel:
+    """A LinearMethod keeping input columns `cols` of W; `apply` all-reduces the partial sums.
+    The bias joins once, on rank 0 (the other ranks keep it zero). A quantized weight keeps
+    its rows' scales whole: a dense checkpoint tensor is quantized over full rows first, then
+    its codes are cut, so every rank's codes and scales are one process's."""
+
+    def __init__(self, inner: LinearMethod, cols: slice, comm: Communicator):
+        check_row_shardable(inner)
+        self.inner, self.cols, self.comm = inner, cols, comm
+
+    def create_weights(self, layer, in_features, out_shards, bias, dtype):
+        self.inner.create_weights(layer, in_features, out_shards, bias, dtype)
+
+    def load_shard(self, layer, shard, name, tensor):
+        if name == "bias":
+            if self.comm.rank == 0:
+                self.inner.load_shard(layer, shard, name, tensor)
+            return
+        fmt = getattr(self.inner, "fmt", None)
+        if fmt is not None and name == "weight" and tensor.dtype in _DENSE:
+            stored = fmt.quantize(tensor)  # over full rows: the scales one process has
+        else:
+            stored = {name: tensor}
+        for key, value in stored.items():
+            self.inner.load_shard(layer, shard, key, self._columns(key, value))
+
+    def _columns(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a stored tensor: the weight's columns; a per-row scale whole."""
+        if name == "weight" and tensor.dim() == 2:
+            return tensor[:, self.cols]
+        if name == "weight_scale" and tensor.dim() == 2 and tensor.shape[1] == 1:
+            return tensor
+        raise ValueError(f"row-parallel linear: cannot split checkpoint tensor {name!r} "
+                         f"{tuple(tensor.shape)} by input columns")
+
+    def finalize(self, layer):
+        self.inner.finalize(layer)
+
+    def apply(self, layer, x):
+        return self.comm.all_reduce_(self.inner.apply(layer, x))
+
+    def apply_fp32(self, layer, x):
+        return self.comm.all_reduce_(self.inner.apply_fp32(layer, x))
+
+    def stack_tensors(self, layer) -> StackTensors | None:
+        return None
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the token embedding [ceil(V / T), H]; a lookup of a token another
+    rank holds gives zeros here, and the all-reduce sums in the rank's row that has it."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
+                 tp: TensorParallel):
+        super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        self.rows = tp.vocab_rows(vocab_size)
+        self.weight = nn.Parameter(torch.zeros(tp.vocab_per_rank(vocab_size), hidden_size,
+                                               dtype=dtype), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.rows.start
+        elsewhere = (local < 0) | (local >= self.rows.stop - self.rows.start)
+        out = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        out.masked_fill_(elsewhere.unsqueeze(-1), 0)
+        return self.tp.comm.all_reduce_(out)
+
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """The loader's hook for a module that keeps part of a checkpoint tensor."""
+        if name != "weight" or tensor.shape != (self.vocab_size, self.weight.shape[1]):
+            raise ValueError(f"embedding: checkpoint tensor {name!r} {tuple(tensor.shape)}, "
+                             f"expected weight {(self.vocab_size, self.weight.shape[1])}")
+        with torch.no_grad():
+            self.weight.copy_(take_rows(tensor, self.rows, self.weight.shape[0]))

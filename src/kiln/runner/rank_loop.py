@@ -1,0 +1,217 @@
+"""The ranks of a tensor-parallel engine: rank 0 leads, the others follow its steps.
+
+Rank 0 owns the scheduler (EngineCore) and the sampler; ranks 1..T-1 own only their part of
+the model and of the KV cache. Whatever rank 0's runner does to the model or the cache, it
+first tells the others in a `RankCommand` (a msgspec struct broadcast as bytes over the step
+channel, kiln.distributed.step_channel; never pickled), and every rank then does the same:
+
+  - `AllocateKV`: size the KV cache (rank 0 decides the block count).
+  - `RunStep`: the step's sequences as the batch needs them (tokens, start position, block
+    table, draft tree) and the hidden rows to compute logits of; every rank runs the forward
+    (its all-reduces meet in the model) and its share of the LM head, gathered to rank 0.
+  - `MoveSlots`: move KV between slots (an accepted draft tree's path).
+  - `Stop`: the engine is shutting down.
+
+So speculative decoding (n-gram drafts are tokens of the step), structured output (a
+bitmask on rank 0's logits) and prefix caching (block ids in the step) work unchanged.
+
+A following rank's process is `python -m kiln.distributed.cli` (started by `Leader.start`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import subprocess
+import time
+
+import msgspec
+import torch
+
+from kiln.config import CacheConfig, ModelConfig, ParallelConfig
+from kiln.distributed.communicator import RankFailure, shm_available
+from kiln.distributed.launch import (
+    RankGroup,
+    default_threads_per_rank,
+    join_groups,
+    open_store,
+    spawn_rank,
+)
+from kiln.engine.contract import ScheduledRequest, SchedulerOutput
+from kiln.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+STOP_WAIT_S = 10.0  # how long a stopping rank may take to exit before it is killed
+# how long a rank's process may take to start (import torch, reach the rendezvous) on a
+# loaded machine; one that dies meanwhile fails the start at once
+START_TIMEOUT_S = 300.0
+
+
+class StepSeq(msgspec.Struct, array_like=True):
+    """One scheduled sequence, as far as the batch tensors need it."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    num_draft_tokens: int
+    draft_parents: list[int] | None
+
+
+class AllocateKV(msgspec.Struct, tag=True, array_like=True):
+    num_blocks: int
+
+
+class RunStep(msgspec.Struct, tag=True, array_like=True):
+    seqs: list[StepSeq]
+    logits_index: list[int] | None  # flat rows to compute logits of; None: no LM head
+
+
+class MoveSlots(msgspec.Struct, tag=True, array_like=True):
+    src: list[int]
+    dst: list[int]
+
+
+class Stop(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+RankCommand = AllocateKV | RunStep | MoveSlots | Stop
+
+
+class RankLaunch(msgspec.Struct):
+    """What a following rank needs to build its part of the runner (its command line)."""
+
+    model: ModelConfig
+    model_path: str
+    cache: CacheConfig
+    parallel: ParallelConfig
+    rank: int
+    store_port: int
+    parent_pid: int
+
+
+def step_seqs(sched: SchedulerOutput) -> list[StepSeq]:
+    return [StepSeq(item.token_ids, item.start_pos, item.block_ids, item.num_draft_tokens,
+                    item.draft_parents if item.num_draft_tokens else None)
+            for item in sched.scheduled]
+
+
+_NO_PARAMS = SamplingParams()
+
+
+def schedule_of(step: RunStep) -> SchedulerOutput:
+    """A following rank's SchedulerOutput for `step`: what build_batch reads, no sampling."""
+    scheduled = [ScheduledRequest("", s.token_ids, s.start_pos, s.num_draft_tokens,
+                                  s.block_ids, False, _NO_PARAMS, [], [], False,
+                                  draft_parents=s.draft_parents) for s in step.seqs]
+    return SchedulerOutput(scheduled, sum(len(s.token_ids) for s in step.seqs))
+
+
+class Leader:
+    """Rank 0's handle on the other ranks: their processes, the groups, the command stream."""
+
+    def __init__(self, group: RankGroup, processes: list[subprocess.Popen],
+                 store: torch.distributed.Store):
+        self.group, self.processes = group, processes
+        self.store = store  # the rendezvous store lives as long as the groups
+        self.encoder = msgspec.msgpack.Encoder()
+        self.closed = False
+        atexit.register(self.close)
+
+    @classmethod
+    def start(cls, model: ModelConfig, model_path: str, cache: CacheConfig,
+              parallel: ParallelConfig) -> Leader:
+        """Start ranks 1..T-1 and join them (returns once all are connected)."""
+        size, timeout = parallel.tensor_parallel_size, parallel.dist_timeout_s
+        threads = parallel.num_threads or default_threads_per_rank(size)
+        # rank 0 decides "auto" for all: every rank must sum the same way
+        parallel = dataclasses.replace(parallel, all_reduce=resolve_all_reduce(parallel))
+        store = open_store(size, timeout)
+        processes = []
+        for rank in range(1, size):
+            launch = RankLaunch(model, str(model_path), cache, parallel, rank, store.port,
+                                os.getpid())
+            processes.append(spawn_rank("kiln.distributed.cli", [
+                "--launch-json", msgspec.json.encode(launch).decode()], threads))
+        try:
+            wait_until_started(store, processes)
+            group = join_groups(store, 0, size, timeout, parallel.all_reduce,
+                                all_reduce_name(os.getpid(), store.port))
+        except (RuntimeError, RankFailure) as exc:
+            codes = [p.poll() for p in processes]
+            _kill(processes)
+            raise RankFailure(f"tensor-parallel ranks did not start (exit codes {codes}): "
+                              f"{exc}") from exc
+        log.info("tensor parallel: %d ranks, %d threads each, all-reduce %s, gloo over "
+                 "127.0.0.1:%d", size, threads, parallel.all_reduce, store.port)
+        return cls(group, processes, store)
+
+    def send(self, command: RankCommand) -> None:
+        try:
+            self.group.steps.send(self.encoder.encode(command))
+        except RankFailure:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """After a failure: kill the other ranks and drop the groups."""
+        if not self.closed:
+            self.closed = True
+            _kill(self.processes)
+            self.group.close()
+
+    def close(self) -> None:
+        """Tell the other ranks to stop and wait for them (killed after STOP_WAIT_S)."""
+        if self.closed:
+            return
+        try:
+            self.send(Stop())
+        except RankFailure:
+            return
+        self.closed = True
+        for process in self.processes:
+            try:
+                process.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        self.group.close()
+
+
+def started_key(rank: int) -> str:
+    return f"started/{rank}"
+
+
+def wait_until_started(store: torch.distributed.Store, processes: list[subprocess.Popen],
+                       timeout_s: float = START_TIMEOUT_S) -> None:
+    """Wait for ranks 1.. to reach the rendezvous (each sets its `started_key`), failing at
+    once if one exits first and after `timeout_s` if one never comes."""
+    deadline = time.monotonic() + timeout_s
+    keys = [started_key(rank) for rank in range(1, len(processes) + 1)]
+    while not store.check(keys):
+        dead = [(rank, p.poll()) for rank, p in enumerate(processes, 1) if p.poll() is not None]
+        if dead:
+            raise RankFailure(f"rank {dead[0][0]} exited with status {dead[0][1]} while "
+                              f"starting (see its log above)")
+        if time.monotonic() > deadline:
+            raise RankFailure(f"ranks did not start within {timeout_s:g} s")
+        time.sleep(0.05)
+
+
+def resolve_all_reduce(parallel: ParallelConfig) -> str:
+    if parallel.all_reduce != "auto":
+        return parallel.all_reduce
+    return "shm" if shm_available() else "gloo"
+
+
+def all_reduce_name(leader_pid: int, port: int) -> str:
+    """The shared-memory segment's name: unique among the machine's live engines."""
+    return f"tp-{leader_pid}-{port}"
+
+
+def _kill(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
