@@ -61,7 +61,14 @@ def bf16_linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     where the CPU has them), else torch's matmul on widened copies (the reference)."""
     if weight.dtype == torch.bfloat16 and x.device.type == "cpu" and cpu.load():
         return torch.ops.kiln.bf16_gemm_f32(x, weight)
+    if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16 and _CUDA_MM_FP32:
+        # cuBLAS writes its fp32 sums as fp32, with no widened copy of the weight
+        return torch.ops.aten.mm.dtype(x, weight.t(), torch.float32)
     return F.linear(x.float(), weight.float())
+
+
+# torch >= 2.8 has `mm(..., out_dtype)` for bf16 inputs on CUDA
+_CUDA_MM_FP32 = hasattr(torch.ops.aten.mm, "dtype")
 
 
 def _kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
