@@ -68,8 +68,9 @@ def test_cuda_graphs_give_the_eager_tokens(llama_path, dtype):
 def test_kv_pool_sized_from_gpu_memory(llama_path):
     gc.collect()  # the engines of earlier tests
     torch.cuda.empty_cache()
+    # blocks of 128 tokens: the tiny model's 16-token blocks would be millions of blocks
     llm = LLM(llama_path, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
-              max_num_seqs=8)
+              max_num_seqs=8, block_size=128)
     runner = llm.engine.runner
     free, total = torch.cuda.mem_get_info()
     pool_bytes = llm.engine.limits.num_kv_blocks * runner.kv_spec.bytes_per_block

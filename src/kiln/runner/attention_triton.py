@@ -82,4 +82,4 @@ class TritonPagedAttention:
             out = prefill_attention.paged_prefill_attention(
                 q, k_cache, v_cache, s.block_table, s.query_start, s.query_lens,
                 s.context_lens, meta.block_size, scale, meta.max_query_len, s.tree_mask)
-        return out.view(len(q), -1)
+        return out.reshape(len(q), -1)

@@ -11,8 +11,8 @@ bucket, runs eagerly.
 
 The bucket choice and the buffer filling are plain torch on any device (`capture_sizes`,
 `bucket_for`, `is_decode_step`, `DecodeBuffers.load`: tested on the CPU, where
-`DecodeGraphs(capture=False)` runs the padded step eagerly); capturing and replaying need a
-GPU. The backend builds the graph's metadata once per bucket from views of the static
+`DecodeGraphs(capture=False)` runs the padded step eagerly, with the metadata a graph would
+have captured); capturing and replaying need a GPU. The backend builds the graph's metadata once per bucket from views of the static
 buffers (`GraphBackend.graph_metadata`): nothing in it may read a tensor's value on the host,
 and its kernels' launch shapes may depend only on the bucket and the longest possible
 sequence.
@@ -131,7 +131,7 @@ class DecodeGraphs:
                              "in a CUDA graph (it has no graph_metadata)")
         self.step, self.backend, self.sizes = step, backend, tuple(sizes)
         self.scratch_block, self.block_size = scratch_block, block_size
-        self.max_seq_len = max_blocks * block_size
+        self.max_blocks, self.max_seq_len = max_blocks, max_blocks * block_size
         self.buffers = DecodeBuffers(self.sizes[-1], max_blocks, device)
         self.capture_graphs = capture
         self.steps: dict[int, CapturedStep] = {}
@@ -141,9 +141,11 @@ class DecodeGraphs:
         self.hook_dicts = [d for m in model.modules()
                            for d in (m._forward_hooks, m._forward_pre_hooks)]
 
-    def bucket(self, sched: SchedulerOutput) -> int | None:
-        """The bucket that serves this step, or None (not a decode step, or too large)."""
-        if not self.steps or not is_decode_step(sched) or self._hooked():
+    def bucket(self, sched: SchedulerOutput, batch: BatchInputs) -> int | None:
+        """The bucket that serves this step, or None (not a decode step, too many sequences,
+        a block table wider than the buffers', or hooks to run)."""
+        if (not self.steps or not is_decode_step(sched) or self._hooked()
+                or batch.layout.block_table.shape[1] > self.max_blocks):
             return None
         return bucket_for(len(sched.scheduled), self.sizes)
 
@@ -157,20 +159,33 @@ class DecodeGraphs:
         self.served += 1
         captured = self.steps[size]
         if captured.graph is None:
-            return self._eager(size)[:len(batch.input_ids)]
+            return self._eager(size, captured.meta)[:len(batch.input_ids)]
         captured.graph.replay()
         return captured.hidden[:len(batch.input_ids)].clone()
 
-    def _eager(self, size: int) -> torch.Tensor:
+    def _eager(self, size: int, meta: AttentionMetadata | None) -> torch.Tensor:
+        """The bucket's step without a graph: with the metadata a graph would have captured
+        (built once over the buffers), or for a backend without one, built now."""
         b = self.buffers
-        meta = self.backend.build_metadata(b.layout(size), b.positions[:size], self.block_size,
-                                           b.slot_mapping[:size])
+        if meta is None:
+            meta = self.backend.build_metadata(b.layout(size), b.positions[:size],
+                                               self.block_size, b.slot_mapping[:size])
         return self.step(b.input_ids[:size], b.positions[:size], meta)
 
+    def _graph_metadata(self, size: int) -> AttentionMetadata:
+        b = self.buffers
+        return self.backend.graph_metadata(b.layout(size), b.seq_lens[:size],
+                                           b.slot_mapping[:size], self.block_size,
+                                           self.max_seq_len)
+
     def capture(self) -> None:
-        """One graph per bucket, largest first (the smaller ones reuse its memory pool)."""
+        """One graph per bucket, largest first (the smaller ones reuse its memory pool).
+        capture=False: none, each bucket's step runs eagerly over the same buffers and, where
+        the backend has graph metadata, the same metadata a graph would replay (CPU tests)."""
         if not self.capture_graphs:
-            self.steps = {size: CapturedStep(None, None, None) for size in self.sizes}
+            graph_meta = isinstance(self.backend, GraphBackend)
+            self.steps = {size: CapturedStep(None, self._graph_metadata(size) if graph_meta
+                                             else None, None) for size in self.sizes}
             return
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
@@ -181,9 +196,7 @@ class DecodeGraphs:
     def _capture_one(self, size: int, pool) -> CapturedStep:
         b = self.buffers
         b.pad(0, size, self.scratch_block, self.block_size)  # every row a padding row
-        meta = self.backend.graph_metadata(b.layout(size), b.seq_lens[:size],
-                                           b.slot_mapping[:size], self.block_size,
-                                           self.max_seq_len)
+        meta = self._graph_metadata(size)
         # warm up off the capture (Triton compiles on first launch) on a side stream
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

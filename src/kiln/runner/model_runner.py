@@ -184,7 +184,7 @@ class ModelRunner:
         `execute` samples from them; a draft model's proposer scores a draft vocabulary."""
         self.release(sched.finished_ids)
         batch = build_batch(sched, self.device)
-        size = self.graphs.bucket(sched) if self.graphs is not None else None
+        size = self.graphs.bucket(sched, batch) if self.graphs is not None else None
         if size is not None:
             slots = slot_mapping_for(batch.layout, batch.slot_positions, self.kv_spec.block_size)
             return batch, self.graphs.run(batch, slots, size)
