@@ -49,8 +49,10 @@ class ModelConfig:
         default="auto", metadata=doc(
             "dense matmuls; auto: oneDNN prepacked bf16 where it runs, else bf16-fp32 (kiln's "
             "kernel widening bf16 weights to fp32) where the CPU has it, else torch"))
-    kernels: Literal["auto", "torch", "cpp"] = field(default="auto", metadata=doc(
-        "fused C++ CPU ops: auto (where they build), torch (the reference), cpp"))
+    kernels: Literal["auto", "torch", "cpp", "triton"] = field(default="auto", metadata=doc(
+        "the model's fused ops: auto (on a GPU triton where installed; on the CPU cpp where "
+        "kiln's C++ kernels build), torch (the reference), cpp, triton (on a CPU only in "
+        "Triton's interpreter, for tests)"))
     enforce_eager: bool = field(default=False, metadata=doc(
         "on a GPU, run every step eagerly: no CUDA graphs for decode steps"))
 

@@ -10,8 +10,8 @@ once at start.
 
 A new device plugs in here: a `detect` branch that returns its device, its kernel set and the
 name of its attention backend (registered in kiln.runner.attention), with `fused_stack` off
-until it has a fused stack of its own. CUDA is one (`--device auto|cpu|cuda`): the torch ops
-on the GPU, the `triton` attention backend (kiln.kernels.triton) where triton is installed,
+until it has a fused stack of its own. CUDA is one (`--device auto|cpu|cuda`): kiln's Triton
+kernels (kiln.kernels.triton) for norms, rotary and attention where triton is installed,
 dense weights through torch (cuBLAS), no fused stack; `describe` names the card.
 """
 
@@ -35,6 +35,7 @@ class KernelSet(enum.Enum):
 
     TORCH = "torch"  # plain torch: the reference every kernel is tested against
     CPP = "cpp"  # kiln's fused C++ CPU kernels (kiln.kernels.cpu)
+    TRITON = "triton"  # kiln's Triton kernels (kiln.kernels.triton): the GPU's norms, rotary
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -68,12 +69,13 @@ class Platform:
 
     @classmethod
     def cpu_platform(cls, config: ModelConfig) -> Platform:
-        """The CPU: kiln's kernels where they build (unless `kernels` says torch), their
-        attention backend with them, bf16 for "auto"."""
+        """The CPU: kiln's C++ kernels where they build (unless `kernels` says torch or
+        triton: the latter in Triton's interpreter, for tests), their attention backend with
+        them, bf16 for "auto"."""
         kernels = resolve_kernel_set(config.kernels)
         attention = config.attention_backend
         if attention == "auto":
-            attention = "cpu" if kernels is KernelSet.CPP else "torch"
+            attention = {KernelSet.CPP: "cpu", KernelSet.TRITON: "triton"}.get(kernels, "torch")
         return cls(device=torch.device("cpu"), dtype=resolve_dtype(config.dtype),
                    kernels=kernels, attention_backend=attention,
                    fused_stack=kernels is KernelSet.CPP and attention == "cpu", cpu=cpu_isa(),
@@ -81,19 +83,22 @@ class Platform:
 
     @classmethod
     def cuda(cls, config: ModelConfig, device: torch.device) -> Platform:
-        """A CUDA GPU: the torch ops (they run on any device), the `triton` attention
-        backend where triton is installed (else the torch reference), bf16 for "auto",
-        dense weights through torch's matmul, no fused stack."""
+        """A CUDA GPU: kiln's Triton kernels for the norms, rotary and attention where triton
+        is installed (else the torch references, which run on any device), bf16 for "auto",
+        dense weights through torch's matmul (cuBLAS), no fused stack."""
         if config.kernels == "cpp":
-            raise ValueError("kernels cpp are kiln's CPU kernels; on a GPU use kernels auto "
-                             "or torch (or --device cpu)")
+            raise ValueError("kernels cpp are kiln's CPU kernels; on a GPU use kernels auto, "
+                             "triton or torch (or --device cpu)")
+        wants_triton = config.kernels == "triton" or (config.kernels == "auto"
+                                                       and triton_available())
+        kernels = resolve_kernel_set("triton") if wants_triton else KernelSet.TORCH
         attention = config.attention_backend
         if attention == "auto":
             attention = "triton" if triton_available() else "torch"
         if attention == "cpu":
             raise ValueError("attention_backend cpu runs on the CPU only; on a GPU use auto, "
                              "triton or torch")
-        return cls(device=device, dtype=resolve_dtype(config.dtype), kernels=KernelSet.TORCH,
+        return cls(device=device, dtype=resolve_dtype(config.dtype), kernels=kernels,
                    attention_backend=attention, fused_stack=False, cpu=cpu_isa(),
                    linear_backend="torch", gpu=torch.cuda.get_device_name(device))
 
@@ -129,9 +134,14 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def resolve_kernel_set(name: str) -> KernelSet:
-    """"torch", "cpp" (must build) or "auto" (kiln's kernels where they build)."""
+    """"torch", "triton" (must be installed), "cpp" (must build) or "auto" (kiln's C++
+    kernels where they build)."""
     if name == "torch":
         return KernelSet.TORCH
+    if name == "triton":
+        if not triton_available():
+            raise ValueError("kernels triton need the triton package (pip install triton)")
+        return KernelSet.TRITON
     from kiln.kernels import cpu as cpu_kernels
 
     if cpu_kernels.load():

@@ -1,5 +1,6 @@
-"""The `triton` attention backend (kiln.runner.attention_triton) in a real engine on the CPU,
-its kernels in Triton's interpreter: greedy tokens equal to the torch backend's, with prefill
+"""The `triton` attention backend (kiln.runner.attention_triton) and the Triton ops
+(kernels="triton": norms, rotary) in a real engine on the CPU, their kernels in Triton's
+interpreter: greedy tokens equal to the torch path's, with prefill
 chunks mixed with decodes (a small token budget, blocks of 4 tokens), and through the CUDA
 graph buckets' padded buffers with the metadata a graph would capture (built once per bucket,
 the decode split fixed by max_model_len), run eagerly. The interpreter must be switched on
@@ -25,9 +26,9 @@ prompts = ["The quick brown fox", "Paris is the capital of France. Large languag
            "def add(a, b):", "0123"]
 params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
-def run(backend, buckets=False):
+def run(backend, buckets=False, kernels="torch"):
     llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory=1 << 20, num_threads=1,
-              kernels="torch", attention_backend=backend, block_size=4,
+              kernels=kernels, attention_backend=backend, block_size=4,
               max_num_batched_tokens=16)
     runner = llm.engine.runner
     if buckets:
@@ -39,7 +40,8 @@ def run(backend, buckets=False):
     return [o.outputs[0].token_ids for o in outs], served
 
 print(json.dumps({"torch": run("torch"), "triton": run("triton"),
-                  "buckets": run("triton", buckets=True)}))
+                  "buckets": run("triton", buckets=True),
+                  "triton_ops": run("triton", kernels="triton")}))
 """
 
 
@@ -50,5 +52,6 @@ def test_triton_backend_gives_the_torch_backends_tokens(llama_path):
     assert done.returncode == 0, done.stderr[-3000:]
     runs = json.loads(done.stdout.strip().splitlines()[-1])
     assert runs["triton"][0] == runs["torch"][0]
+    assert runs["triton_ops"][0] == runs["torch"][0]  # and the Triton norms and rotary
     tokens, served = runs["buckets"]
     assert tokens == runs["torch"][0][:3] and served > 0  # 3 sequences in the bucket of 4

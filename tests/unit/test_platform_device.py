@@ -90,3 +90,17 @@ def test_an_engine_on_the_meta_default_device_gives_the_same_tokens(llama_path):
         assert run() == expected
     finally:
         torch.set_default_device("cpu")
+
+
+@NO_CUDA
+def test_triton_kernels_on_the_cpu_are_the_interpreters_choice():
+    """kernels="triton" is a test mode on the CPU (Triton's interpreter): the Triton ops and,
+    with them, the triton attention backend."""
+    pytest.importorskip("triton")
+    pytest.importorskip("kiln.kernels.triton")
+    from kiln.models.layers.ops import TritonOps, ops_for
+    from kiln.platform import KernelSet
+
+    platform = Platform.detect(ModelConfig(model="unused", kernels="triton"))
+    assert platform.kernels is KernelSet.TRITON and platform.attention_backend == "triton"
+    assert not platform.fused_stack and isinstance(ops_for(platform.kernels), TritonOps)
