@@ -7,8 +7,9 @@ killed and the next one starts; the whole run stops starting stages near six min
   gpu             the card, versions, and the memory-bandwidth ceiling (a 1 GiB device copy)
   parity_tiny     greedy tokens of the engine vs HF transformers on the same GPU, fp32 (equal)
                   and bf16 (kiln's token HF's best or within a near tie), tiny random Llama
-  graphs          CUDA graphs vs eager: identical tokens at batch 1, 3, 8 and 65 sequences,
-                  and batch-1 decode speed of both
+  graphs          CUDA graphs vs the same bucketed steps run eagerly: identical tokens at
+                  1, 3, 8 and 65 sequences; agreement with plain eager steps; batch-1 decode
+                  speed with and without graphs
   bench_1b        a random-weight ~1B Llama (TinyLlama's shape, made here): batch-1 decode
                   tokens/s and 64 x 128/128 throughput, kiln vs HF generate (padded batches
                   of 16) vs the bandwidth ceiling (the bytes of every weight but the
@@ -375,12 +376,15 @@ def default_model(ctx: Ctx) -> str | None:
 
 
 def stage_graphs(ctx: Ctx) -> dict:
-    """Identical tokens with and without CUDA graphs; batch-1 decode time of both."""
+    """CUDA graphs against the same bucketed steps run eagerly (identical tokens, bf16) and
+    against plain eager steps (their agreement; matmuls of n rows rather than the bucket's
+    may round differently in bf16), with the batch-1 time per token of graphs and eager."""
     path = default_model(ctx) or ctx.tiny()
-    runs = {name: graph_run(ctx, path, eager) for name, eager in (("graphs", False),
-                                                                  ("eager", True))}
-    same = runs["graphs"]["tokens"] == runs["eager"]["tokens"]
-    result = {"model": Path(path).name, "identical": same,
+    runs = {mode: graph_run(ctx, path, mode) for mode in ("graphs", "padded", "eager")}
+    same = runs["graphs"]["tokens"] == runs["padded"]["tokens"]
+    graphs, eager = runs["graphs"]["tokens"], runs["eager"]["tokens"]
+    result = {"model": Path(path).name, "identical_to_padded_eager": same,
+              "equal_to_eager": {n: graphs[n] == eager[n] for n in graphs},
               **{f"{k}_b1_ms_per_token": round(v["b1_ms"], 3) for k, v in runs.items()},
               "graph_steps": runs["graphs"]["served"]}
     if not same or (not ctx.dry_run and not runs["graphs"]["served"]):
@@ -388,15 +392,18 @@ def stage_graphs(ctx: Ctx) -> dict:
     return result
 
 
-def graph_run(ctx: Ctx, path: str, eager: bool) -> dict:
+def graph_run(ctx: Ctx, path: str, mode: str) -> dict:
     """Greedy tokens of 1, 3, 8 and 65 sequences (65: above the largest bucket) and the
-    batch-1 time per token, with or without graphs."""
+    batch-1 time per token: with graphs, with the buckets run eagerly (padded), or eager."""
     from kiln import SamplingParams
+    from kiln.runner.cuda_graphs import run_buckets_eagerly
 
     new = 8 if ctx.dry_run else 64
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     llm = ctx.llm(path, "bfloat16", kv_cache_memory=512 << 20, max_num_seqs=64,
-                  enforce_eager=eager)
+                  enforce_eager=mode != "graphs")
+    if mode == "padded":
+        run_buckets_eagerly(llm.engine.runner, 64, llm.engine.max_model_len)
     prompts = [{"prompt_token_ids": [100 + i, 200 + i, 300 + i]} for i in range(65)]
     tokens = {n: [o.outputs[0].token_ids
                   for o in llm.generate(prompts[:n], params, use_tqdm=False)]

@@ -21,6 +21,7 @@ pytest.importorskip("kiln.kernels.triton")
 SCRIPT = """
 import json, sys
 from kiln import LLM, SamplingParams
+from kiln.runner.cuda_graphs import run_buckets_eagerly
 
 prompts = ["The quick brown fox", "Paris is the capital of France. Large language models",
            "def add(a, b):", "0123"]
@@ -32,9 +33,7 @@ def run(backend, buckets=False, kernels="torch"):
               max_num_batched_tokens=16)
     runner = llm.engine.runner
     if buckets:
-        runner.use_graphs = True  # the scratch block past the pool's
-        runner.allocate_kv_cache(runner.pool_blocks)
-        runner.capture_graphs(max_num_seqs=4, max_model_len=64, capture=False)
+        run_buckets_eagerly(runner, max_num_seqs=4, max_model_len=64)
     outs = llm.generate(prompts[:3] if buckets else prompts, params, use_tqdm=False)
     served = runner.graphs.served if runner.graphs else 0
     return [o.outputs[0].token_ids for o in outs], served

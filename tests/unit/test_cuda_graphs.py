@@ -10,7 +10,13 @@ import torch
 from kiln.engine.contract import SchedulerOutput
 from kiln.models.layers.attention import SeqLayout
 from kiln.runner.batch import BatchInputs
-from kiln.runner.cuda_graphs import DecodeBuffers, bucket_for, capture_sizes, is_decode_step
+from kiln.runner.cuda_graphs import (
+    DecodeBuffers,
+    bucket_for,
+    capture_sizes,
+    is_decode_step,
+    run_buckets_eagerly,
+)
 
 
 def test_capture_sizes():
@@ -82,9 +88,7 @@ def test_padded_decode_gives_the_plain_tokens(llama_path):
     plain = llm()
     padded = llm()
     runner = padded.engine.runner
-    runner.use_graphs = True  # allocate the scratch block past the pool's blocks
-    runner.allocate_kv_cache(runner.pool_blocks)
-    runner.capture_graphs(max_num_seqs=4, max_model_len=128, capture=False)
+    run_buckets_eagerly(runner, max_num_seqs=4, max_model_len=128)
     for batch in (prompts[:3], prompts, prompts[:1]):
         served = runner.graphs.served
         expected = [o.outputs[0].token_ids for o in plain.generate(batch, params,

@@ -112,6 +112,16 @@ class DecodeBuffers:
         self.block_table[start:size, 0] = scratch_block
 
 
+def run_buckets_eagerly(runner, max_num_seqs: int, max_model_len: int) -> None:
+    """Test mode of a built engine's ModelRunner: its decode steps go through the buckets'
+    padded buffers and graph metadata, run eagerly (no capture; the CPU too). Reallocates the
+    KV cache (with the scratch block), so call it before the engine's first step. On a GPU
+    this is the computation a replay repeats: the tokens must be the graphs' bit for bit."""
+    runner.use_graphs = True
+    runner.allocate_kv_cache(runner.pool_blocks)
+    runner.capture_graphs(max_num_seqs, max_model_len, capture=False)
+
+
 @dataclass
 class CapturedStep:
     graph: torch.cuda.CUDAGraph | None  # None: DecodeGraphs(capture=False) runs it eagerly
