@@ -193,8 +193,10 @@ def plot(record: dict, path: Path) -> None:
                     labels.append(f"{model}\n{who}")
                     values.append(r[f"{who}_{key}_tok_s"])
                     colours.append(colour)
-        ax.bar(range(len(values)), values, color=colours)
+        bars = ax.bar(range(len(values)), values, color=colours)
+        ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], fontsize=8)
         ax.set_xticks(range(len(values)), labels)
+        ax.set_yscale("log")  # the ceiling and HF differ by orders of magnitude
         ax.set_title(title)
         if not values:
             ax.text(0.5, 0.5, "not yet measured", ha="center", transform=ax.transAxes)
