@@ -136,10 +136,11 @@ def run_stage(stage: Stage, out: Path, dry_run: bool, timeout: float) -> dict:
 
 
 def _env() -> dict[str, str]:
-    """This checkout's kiln first on the path, for the stages and pytest; without a GPU,
-    Triton's interpreter on before anything imports triton (a dry run)."""
+    """This checkout's kiln first on the path, for the stages and pytest, offline; without a
+    GPU, Triton's interpreter on before anything imports triton (a dry run)."""
     paths = [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    env.setdefault("HF_HUB_OFFLINE", "1")  # nothing to download: never wait on the network
     if not _cuda_available():
         env.setdefault("TRITON_INTERPRET", "1")
     return env
