@@ -39,6 +39,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -119,10 +120,14 @@ def run_stage(stage: Stage, out: Path, dry_run: bool, timeout: float) -> dict:
            str(out)] + (["--dry-run"] if dry_run else [])
     began = time.monotonic()
     with open(out / "logs" / f"{stage.name}.log", "w") as log:
+        # a session of its own: a stage out of time is killed with what it started (pytest)
+        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                 env=_env(), stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
-                                cwd=ROOT, env=_env()).returncode
+            rc = child.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
             rc = None
     seconds = round(time.monotonic() - began, 1)
     found = json.loads(result_file.read_text()) if result_file.is_file() else {}
