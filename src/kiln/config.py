@@ -33,7 +33,8 @@ class ModelConfig:
     model: str | None = field(default=None, metadata=doc(
         "HF checkpoint directory", none_means="the bundled default model"))
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=doc(
-        "where the model, KV cache and batch run; auto: cuda when torch sees a GPU, else cpu"))
+        "where the model, KV cache and batch run; auto: cuda when torch sees a GPU (unless "
+        "CPU-only kernels are named), else cpu"))
     dtype: Dtype = field(default="auto", metadata=doc(
         "weights and activations; auto: bfloat16 (on CPU and GPU)"))
     max_model_len: int | None = field(default=None, metadata=doc(

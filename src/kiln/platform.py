@@ -61,8 +61,11 @@ class Platform:
     @classmethod
     def detect(cls, config: ModelConfig) -> Platform:
         """The platform for `config` on this machine: the device `config.device` names
-        (auto: CUDA when torch sees a GPU), then that device's kernels and backend."""
-        if resolve_device(config.device, torch.cuda.is_available()) == "cuda":
+        (auto: CUDA when torch sees a GPU, unless the config names CPU kernels), then that
+        device's kernels and backend."""
+        cuda = torch.cuda.is_available() and not (config.device == "auto"
+                                                  and names_cpu_kernels(config))
+        if resolve_device(config.device, cuda) == "cuda":
             # with its index, so that tensors' devices compare equal to it
             return cls.cuda(config, torch.device("cuda", torch.cuda.current_device()))
         return cls.cpu_platform(config)
@@ -119,6 +122,12 @@ def resolve_device(name: str, cuda_available: bool) -> str:
                else f"torch {torch.__version__} (CUDA {built}) sees no GPU")
         raise ValueError(f"device cuda: {why}; use --device cpu or auto")
     return "cpu" if name == "cpu" or not cuda_available else "cuda"
+
+
+def names_cpu_kernels(config: ModelConfig) -> bool:
+    """Whether the config asks for kernels only the CPU has (so "auto" means the CPU)."""
+    return (config.kernels == "cpp" or config.attention_backend == "cpu"
+            or config.linear_backend in ("onednn", "bf16-fp32"))
 
 
 def triton_available() -> bool:

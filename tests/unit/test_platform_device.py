@@ -24,6 +24,16 @@ def test_resolve_device(name, cuda, expected):
     assert resolve_device(name, cuda) == expected
 
 
+def test_cpu_kernels_keep_auto_on_the_cpu():
+    from kiln.platform import names_cpu_kernels
+
+    assert not names_cpu_kernels(ModelConfig())
+    assert not names_cpu_kernels(ModelConfig(kernels="triton", attention_backend="torch"))
+    for settings in ({"kernels": "cpp"}, {"attention_backend": "cpu"},
+                     {"linear_backend": "onednn"}, {"linear_backend": "bf16-fp32"}):
+        assert names_cpu_kernels(ModelConfig(**settings)), settings
+
+
 def test_cuda_without_a_gpu_is_one_clear_line():
     with pytest.raises(ValueError) as err:
         resolve_device("cuda", False)
