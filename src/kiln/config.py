@@ -32,8 +32,11 @@ DTYPES = typing.get_args(Dtype)
 class ModelConfig:
     model: str | None = field(default=None, metadata=doc(
         "HF checkpoint directory", none_means="the bundled default model"))
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=doc(
+        "where the model, KV cache and batch run; auto: cuda when torch sees a GPU (unless "
+        "CPU-only kernels are named), else cpu"))
     dtype: Dtype = field(default="auto", metadata=doc(
-        "weights and activations; auto: bfloat16 on CPU"))
+        "weights and activations; auto: bfloat16 (on CPU and GPU)"))
     max_model_len: int | None = field(default=None, metadata=doc(
         "prompt + output tokens", none_means="the model's own limit"))
     seed: int = field(default=0, metadata=doc("seed of the engine's default sampling generator"))
@@ -41,14 +44,19 @@ class ModelConfig:
         "weight format to quantize dense weights into on load (e.g. int8)",
         none_means="the checkpoint's weights as stored"))
     attention_backend: str = field(default="auto", metadata=doc(
-        "a registered attention backend: auto (cpu kernels where they build), torch, cpu"))
+        "a registered attention backend: auto (on a GPU triton where installed, else torch; on "
+        "the CPU cpu where kiln's kernels build, else torch), torch, cpu, triton"))
     linear_backend: Literal["auto", "vnni", "onednn", "bf16-fp32", "torch"] = field(
         default="auto", metadata=doc(
             "dense matmuls; auto: vnni (kiln's kernel on weights packed for AVX512-BF16 dot "
             "products) on such CPUs without AMX, else oneDNN prepacked bf16 where it runs, else "
             "bf16-fp32 (kiln's kernel widening bf16 weights to fp32), else torch"))
-    kernels: Literal["auto", "torch", "cpp"] = field(default="auto", metadata=doc(
-        "fused C++ CPU ops: auto (where they build), torch (the reference), cpp"))
+    kernels: Literal["auto", "torch", "cpp", "triton"] = field(default="auto", metadata=doc(
+        "the model's fused ops: auto (on a GPU triton where installed; on the CPU cpp where "
+        "kiln's C++ kernels build), torch (the reference), cpp, triton (on a CPU only in "
+        "Triton's interpreter, for tests)"))
+    enforce_eager: bool = field(default=False, metadata=doc(
+        "on a GPU, run every step eagerly: no CUDA graphs for decode steps"))
 
     def __post_init__(self):
         check_choices(self)
@@ -61,13 +69,20 @@ class CacheConfig:
     block_size: int = field(default=16, metadata=doc("tokens per KV block, a power of two"))
     kv_cache_memory: int | None = field(default=None, metadata=doc(
         "bytes for K and V of all layers",
-        none_means="max_model_len x max_num_seqs tokens' worth, up to max_kv_cache_memory"))
+        none_means="on a GPU, what gpu_memory_utilization leaves; on the CPU, max_model_len x "
+                   "max_num_seqs tokens' worth, up to max_kv_cache_memory"))
     enable_prefix_caching: bool = field(default=True, metadata=doc(
         "reuse KV blocks of identical prompt prefixes", flag="--prefix-caching"))
     max_kv_cache_memory: int = field(default=2 * GiB, metadata=doc(
-        "cap in bytes on the derived KV cache size"))
+        "cap in bytes on the derived KV cache size (on the CPU)"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=doc(
+        "on a GPU, the fraction of its memory kiln may hold (weights, activations and the KV "
+        "pool, which takes the rest) unless kv_cache_memory is given"))
 
     def __post_init__(self):
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -159,9 +159,12 @@ class EngineCore:
                                   self.eos_token_ids)
         self.max_model_len = self._resolve_max_model_len(self.runner.hf_config)
         self.vocab_size = self.runner.vocab_size
+        sc = config.scheduler
         num_blocks = num_kv_blocks(self.runner.kv_spec, config.cache, self.max_model_len,
-                                   config.scheduler.max_num_seqs)
+                                   sc.max_num_seqs, self.runner.device_memory(
+                                       sc.max_num_batched_tokens, sc.max_num_seqs))
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_graphs(sc.max_num_seqs, self.max_model_len)  # on a GPU only
         self.kv = KVCacheManager(config.cache, num_blocks, emit_events=emit_kv_events)
         # grammars (compiled off the step loop) and the repetition guard
         self.structured = structured(self.vocab_size, self.eos_token_ids)

@@ -71,6 +71,9 @@ def bf16_linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return onednn_bf16_linear_fp32(x, weight)
     if cpu.load():
         return torch.ops.kiln.bf16_gemm_f32(x, weight)
+    if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16 and _CUDA_MM_FP32:
+        # cuBLAS writes its fp32 sums as fp32, with no widened copy of the weight
+        return torch.ops.aten.mm.dtype(x, weight.t(), torch.float32)
     return F.linear(x.float(), weight.float())
 
 
@@ -96,6 +99,10 @@ def onednn_bf16_linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tens
     finally:
         matmul.fp32_precision = before
     return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-1)
+
+
+# torch >= 2.8 has `mm(..., out_dtype)` for bf16 inputs on CUDA
+_CUDA_MM_FP32 = hasattr(torch.ops.aten.mm, "dtype")
 
 
 def _kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kiln.models.layers.attention import AttentionBackend, SeqLayout
+from kiln.runner.slots import slot_mapping_for
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +59,6 @@ def get_attention_backend(name: str) -> AttentionBackend:
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(_BACKENDS)}")
     return _BACKENDS[name]()
-
-
-def slot_mapping_for(layout: SeqLayout, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[T] cache slot of each flat token: its sequence's block at position // block_size."""
-    seq_of_token = torch.repeat_interleave(
-        torch.arange(len(layout.query_lens), device=positions.device), layout.query_lens,
-        output_size=len(positions))
-    blocks = layout.block_table[seq_of_token, positions // block_size]
-    return blocks * block_size + positions % block_size
 
 
 def build_padded_layout(layout: SeqLayout, block_size: int) -> PaddedLayout:
@@ -245,3 +237,12 @@ class CpuPagedAttention:
             for item in meta.long_queries():
                 out[item.start:item.start + item.n] = causal_attention(q, kv_cache, item, scale)
         return out
+
+
+@register_attention_backend("triton")
+def _triton_backend() -> AttentionBackend:
+    """kiln's Triton kernels on the GPU (kiln.runner.attention_triton), imported only when
+    asked for: they need the triton package."""
+    from kiln.runner.attention_triton import TritonPagedAttention
+
+    return TritonPagedAttention()

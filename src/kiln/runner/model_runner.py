@@ -33,8 +33,10 @@ from kiln.models.loader import load_model, read_hf_config
 from kiln.models.registry import resolve_architecture
 from kiln.platform import KernelSet, Platform
 from kiln.runner import fused_stack
-from kiln.runner.attention import get_attention_backend
+from kiln.runner.attention import get_attention_backend, slot_mapping_for
 from kiln.runner.batch import BatchInputs, LogitsRows, build_batch
+from kiln.runner.cuda_graphs import DecodeGraphs, GraphBackend, capture_sizes
+from kiln.runner.device_memory import DeviceMemory, activation_reserve, gpu_kv_blocks, measure
 from kiln.runner.hooks import NoGrammar, StepGrammar, StepGrammarFactory, VerifyShortlist
 from kiln.runner.rank_loop import AllocateKV, Leader, MoveSlots, RunStep, step_seqs
 from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs, take_rows
@@ -57,10 +59,14 @@ class KVCacheSpec:
 
 
 def num_kv_blocks(spec: KVCacheSpec, cache: CacheConfig, max_model_len: int,
-                  max_num_seqs: int) -> int:
-    """Blocks that fit the configured budget, or max_model_len x max_num_seqs tokens (capped)."""
+                  max_num_seqs: int, device_memory: DeviceMemory | None = None) -> int:
+    """Blocks that fit the configured budget; else, on a GPU (`device_memory` given), what
+    gpu_memory_utilization leaves (kiln.runner.device_memory); else max_model_len x
+    max_num_seqs tokens (capped)."""
     if cache.kv_cache_memory is not None:
         return cache.kv_cache_memory // spec.bytes_per_block
+    if device_memory is not None:
+        return gpu_kv_blocks(device_memory, cache.gpu_memory_utilization, spec.bytes_per_block)
     wanted = -(-max_model_len // spec.block_size) * max_num_seqs
     return max(1, min(wanted, cache.max_kv_cache_memory // spec.bytes_per_block))
 
@@ -111,7 +117,7 @@ class ModelRunner:
             ranks = self.leader.group
         tp = SINGLE if ranks is None else TensorParallel(ranks.comm)
         loaded = load_model(model_path, self.dtype, self.backend, model_config.quantization,
-                            model_config.linear_backend, self.ops,
+                            self.platform.linear_backend, self.ops,
                             tp=None if ranks is None else tp)
         # built and loaded on the CPU (the LinearMethod contract), then on the platform's device
         self.model, self.hf_config = loaded.model.to(self.device), loaded.hf_config
@@ -132,6 +138,12 @@ class ModelRunner:
         # set by the composition root: each step's grammar bitmask (kiln.structured.bitmask)
         self.grammar_rows: StepGrammarFactory = NoGrammar
         self.last_step: StepHidden | None = None
+        # CUDA graphs for decode steps (kiln.runner.cuda_graphs): on a GPU unless
+        # enforce_eager, with a backend that can be captured; their padding rows write to a
+        # scratch block allocated past the pool's blocks
+        self.use_graphs = (self.device.type == "cuda" and not model_config.enforce_eager
+                           and isinstance(self.backend, GraphBackend))
+        self.graphs: DecodeGraphs | None = None
 
     @staticmethod
     def _start_ranks(model_config: ModelConfig, model_path: str, cache: CacheConfig,
@@ -171,7 +183,8 @@ class ModelRunner:
         if self.leader is not None:
             self.leader.send(AllocateKV(num_blocks))
         s = self.kv_spec
-        shape = (num_blocks * s.block_size, s.num_kv_heads, s.head_dim)
+        self.graphs, self.pool_blocks = None, num_blocks  # graphs hold the old caches
+        shape = ((num_blocks + self.use_graphs) * s.block_size, s.num_kv_heads, s.head_dim)
         self.kv_caches = []
         for _ in range(s.num_layers):
             k = torch.empty(shape, dtype=s.dtype, device=self.device)
@@ -179,6 +192,33 @@ class ModelRunner:
             k[:s.block_size].zero_()
             v[:s.block_size].zero_()
             self.kv_caches.append((k, v))
+
+    def device_memory(self, max_num_batched_tokens: int, max_num_seqs: int
+                      ) -> DeviceMemory | None:
+        """On a GPU, its memory now that the weights are loaded, with a reserve for a step of
+        `max_num_batched_tokens` tokens sampling `max_num_seqs` rows; None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        a = self.model.arch
+        reserve = activation_reserve(
+            a.hidden_size, a.intermediate_size, (a.num_heads + 2 * a.num_kv_heads) * a.head_dim,
+            a.vocab_size, max_num_batched_tokens, max_num_seqs, self.dtype.itemsize)
+        torch.cuda.empty_cache()  # what the load freed counts as free
+        return measure(self.device, self.model, reserve)
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int,
+                       capture: bool = True) -> None:
+        """CUDA graphs for decode steps of up to max_num_seqs sequences (after
+        allocate_kv_cache); capture=False runs the same padded steps eagerly (CPU tests)."""
+        if capture and not self.use_graphs:
+            return
+        bs = self.kv_spec.block_size
+        self.graphs = DecodeGraphs(
+            lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta), self.backend,
+            capture_sizes(max_num_seqs), -(-max_model_len // bs), self.pool_blocks, bs,
+            self.device, self.model, capture)
+        with torch.inference_mode():
+            self.graphs.capture()
 
     def release(self, request_ids: list[str]) -> None:
         """Drop per-request state of finished requests."""
@@ -198,6 +238,10 @@ class ModelRunner:
         if self.leader is not None:
             rows = batch.logits_index.tolist() if logits else None
             self.leader.send(RunStep(step_seqs(sched), rows))
+        size = self.graphs.bucket(sched, batch) if self.graphs is not None else None
+        if size is not None:
+            slots = slot_mapping_for(batch.layout, batch.slot_positions, self.kv_spec.block_size)
+            return batch, self.graphs.run(batch, slots, size)
         meta = self.backend.build_metadata(batch.layout, batch.slot_positions,
                                            self.kv_spec.block_size)
         return batch, self._run_model(batch, meta)

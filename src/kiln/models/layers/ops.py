@@ -1,9 +1,10 @@
-"""Elementwise model ops: the plain torch reference and the fused C++ kernels beside it.
+"""Elementwise model ops: the plain torch reference and the fused C++ (and Triton) kernels
+beside it.
 
 `TorchOps` is the reference (and what fp32 parity tests run); `KernelOps` calls the fused
-kernels in kiln/kernels/cpu (one pass over memory instead of several torch ops each). A
-model gets the ops object of its platform's kernel set (`ops_for`) and calls it; nothing else
-changes between the two paths. A GPU kernel set is one more subclass here.
+kernels in kiln/kernels/cpu (one pass over memory instead of several torch ops each), and
+`TritonOps` the GPU's (kiln/kernels/triton). A model gets the ops object of its platform's
+kernel set (`ops_for`) and calls it; nothing else changes between the paths.
 """
 
 from __future__ import annotations
@@ -84,8 +85,33 @@ class KernelOps(TorchOps):
         return split_heads(qkv, num_heads, num_kv_heads)
 
 
+class TritonOps(TorchOps):
+    """kiln's Triton kernels (kiln.kernels.triton; a GPU, or Triton's interpreter on the
+    CPU): one launch each for the norms and the rotation (fp32 tables, one rounding) instead
+    of several torch ops; SiLU-and-multiply stays torch."""
+
+    def __init__(self):
+        from kiln.kernels.triton import norm_rotary  # needs triton: imported when chosen
+
+        self.kernels = norm_rotary
+
+    def rms_norm(self, x, weight, eps):
+        return self.kernels.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return self.kernels.fused_add_rms_norm(x, residual.contiguous(), weight, eps)
+
+    def rotary_qkv(self, qkv, positions, rotary, num_heads, num_kv_heads):
+        """Rotated in place inside qkv by one kernel."""
+        self.kernels.rotary_inplace(qkv, positions, rotary.cos32, rotary.sin32, num_heads,
+                                    num_kv_heads)
+        return split_heads(qkv, num_heads, num_kv_heads)
+
+
 def ops_for(kernels: KernelSet) -> TorchOps:
     """The ops object of a platform's kernel set."""
+    if kernels is KernelSet.TRITON:
+        return TritonOps()
     return KernelOps() if kernels is KernelSet.CPP else TorchOps()
 
 
