@@ -5,8 +5,15 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton decides interpreted or compiled when it is first imported (its library functions are
+# decorated then), and torch._dynamo imports it as soon as any test touches torch.compile: so
+# without a GPU the interpreter is switched on here, before any test module is imported
+# (tests/kernels/triton run their kernels in it; kiln.kernels.triton does the same at import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
