@@ -358,7 +358,7 @@ def measure(args: argparse.Namespace, rows: list[int]) -> dict:
         "matrix": [asdict(f) for f in matrix],
         "crossover": crossover(args.model, rows, args.runs) if rows else [],
         "dense_by_rows": dense,
-        "decode": {"model": str(args.model), "megabytes": round(nbytes / 1e6, 1),
+        "decode": {"model": args.model.name, "megabytes": round(nbytes / 1e6, 1),
                    "tok_s": round(bw["best"] * 1e9 / nbytes, 1)},
         "torch": torch.__version__,
     }
