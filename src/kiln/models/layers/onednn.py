@@ -8,7 +8,9 @@ the few readers that want W itself (speculator heads reading LM head rows, quant
 Whether it runs here: kiln.kernels.bf16_mm.onednn_available. oneDNN picks its kernel for the
 CPU at every token count: AVX512-BF16 dot products on Zen 4, AMX tiles on Xeons that have them
 (the packed layout is the one both read; tests/kernels/test_amx_dispatch.py checks which kernel
-runs and that no call repacks the weight; docs/decisions/0011).
+runs and that no call repacks the weight; docs/decisions/0011). On AVX512-BF16 CPUs without
+AMX the loader picks kiln's VNNI-packed kernel instead (models/layers/vnni.py: oneDNN's
+one-token product read weights at about half the bandwidth there; docs/decisions/0013).
 """
 
 from __future__ import annotations
