@@ -24,7 +24,7 @@ from kiln.kernels.triton.checks import (
     check_out,
     check_same_device,
 )
-from kiln.kernels.triton.tiles import attention_tiles, dot, dot_mode
+from kiln.kernels.triton.tiles import attention_tiles, dot, dot_mode, paged_kv_offsets
 
 LOG2E = 1.4426950408889634
 
@@ -57,11 +57,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_l
     for pos0 in range(start, end, BLOCK_N):
         pos = pos0 + tl.arange(0, BLOCK_N)
         key_mask = pos < end
-        block = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + pos // block_size,
-                        mask=key_mask, other=0)
-        slot = block.to(tl.int64) * block_size + pos % block_size
-        kv_offs = slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-        kv_mask = key_mask[:, None] & (d < HEAD_DIM)[None, :]
+        kv_offs, kv_mask = paged_kv_offsets(block_table_ptr, seq, stride_bt, pos, key_mask,
+                                             block_size, kv_head, stride_cs, stride_ch, d,
+                                             HEAD_DIM)
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
         s = tl.where(key_mask[None, :], s, float("-inf"))

@@ -22,7 +22,7 @@ from kiln.kernels.triton.checks import (
     check_same_device,
 )
 from kiln.kernels.triton.decode_attention import LOG2E
-from kiln.kernels.triton.tiles import attention_tiles, dot, dot_mode
+from kiln.kernels.triton.tiles import attention_tiles, dot, dot_mode, paged_kv_offsets
 
 
 @triton.jit
@@ -77,11 +77,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_star
         for pos0 in range(0, end, BLOCK_N):
             pos = pos0 + tl.arange(0, BLOCK_N)
             key_mask = pos < end
-            block = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + pos // block_size,
-                            mask=key_mask, other=0)
-            slot = block.to(tl.int64) * block_size + pos % block_size
-            kv_offs = slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-            kv_mask = key_mask[:, None] & (d < HEAD_DIM)[None, :]
+            kv_offs, kv_mask = paged_kv_offsets(block_table_ptr, seq, stride_bt, pos, key_mask,
+                                                 block_size, kv_head, stride_cs, stride_ch, d,
+                                                 HEAD_DIM)
             k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
             s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
             visible = _visible(pos, q_pos, bits, context_len, HAS_TREE) & key_mask[None, :]

@@ -33,6 +33,19 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return result
 
 
+@triton.jit
+def paged_kv_offsets(block_table_ptr, seq, stride_bt, pos, key_mask, block_size, kv_head,
+                     stride_cs, stride_ch, d, HEAD_DIM: tl.constexpr):
+    """Offsets into a K/V cache [slots, kv heads, head dim] of sequence `seq`'s positions
+    `pos` for head `kv_head` (slot = block_table[seq, pos // block_size] * block_size +
+    pos % block_size), and their mask (keys in `key_mask`, dims below HEAD_DIM)."""
+    block = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + pos // block_size,
+                    mask=key_mask, other=0)
+    slot = block.to(tl.int64) * block_size + pos % block_size
+    offsets = slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+    return offsets, key_mask[:, None] & (d < HEAD_DIM)[None, :]
+
+
 @dataclass(frozen=True)
 class AttentionTiles:
     """Tile sizes and warps of the attention kernels for one dtype and head dim."""
