@@ -55,7 +55,7 @@ from transformers import AutoTokenizer  # noqa: F401  (import before engines sta
 from kiln import LLM, SamplingParams
 from kiln.bench.metrics import median_interval
 from kiln.bench.result import cpu_summary
-from kiln.config import MAX_TREE_DRAFTS, MAX_TREE_WIDTH, SpeculativeConfig
+from kiln.config_speculative import MAX_TREE_DRAFTS, MAX_TREE_WIDTH, SpeculativeConfig
 from kiln.engine.core import EngineRequest
 from kiln.speculative.resolve import speculator_path, speculators_home
 from kiln.speculative.training.data import code_prompts, prose_prompts, prose_source

@@ -30,7 +30,8 @@ from transformers import AutoTokenizer  # noqa: F401  (import before engines sta
 
 from kiln import LLM, SamplingParams
 from kiln.bench.result import cpu_summary
-from kiln.config import CacheConfig, ModelConfig, ParallelConfig, SpeculativeConfig
+from kiln.config import CacheConfig, ModelConfig, ParallelConfig
+from kiln.config_speculative import SpeculativeConfig
 from kiln.models.layers.rotary import RotaryEmbedding
 from kiln.runner.model_runner import ModelRunner
 from kiln.speculative.head.model import lm_head_rows, load_head

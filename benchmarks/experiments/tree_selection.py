@@ -42,7 +42,7 @@ from transformers import AutoTokenizer  # noqa: F401  (import before engines sta
 
 from kiln import LLM, SamplingParams
 from kiln.bench.result import cpu_summary
-from kiln.config import SpeculativeConfig
+from kiln.config_speculative import SpeculativeConfig
 from kiln.runner.verify import children_of
 from kiln.speculative.head.proposer import _best_nodes, tree_node_count
 from kiln.speculative.proposer import Draft, DraftTrie

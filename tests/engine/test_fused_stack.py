@@ -126,7 +126,7 @@ def test_draft_trees_fuse_with_the_same_bits(tiny_ckpt, monkeypatch):
     """n-gram draft trees (their attention bits go into the stack's paged attention) give the
     fused and the per-layer path the same tokens and logprobs."""
     import kiln.runner.batch as batch
-    from kiln.config import SpeculativeConfig
+    from kiln.config_speculative import SpeculativeConfig
 
     spec = SpeculativeConfig(adaptive=False, tree_width=3, tree_max_batch=8)
     fused_llm = tiny_llm(tiny_ckpt, speculator="ngram", speculative_config=spec)

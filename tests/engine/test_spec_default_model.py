@@ -7,7 +7,7 @@ import torch
 from transformers import AutoTokenizer  # noqa: F401  (see below)
 
 from kiln import LLM, SamplingParams
-from kiln.config import SpeculativeConfig
+from kiln.config_speculative import SpeculativeConfig
 from kiln.speculative.training.data import code_prompts, prose_prompts
 
 # transformers is imported here, before any engine starts: kiln.structured loads the vocabulary

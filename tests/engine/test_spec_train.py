@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.config import SpeculativeConfig
+from kiln.config_speculative import SpeculativeConfig
 from kiln.speculative.training.cli import register  # noqa: F401  (the command module imports cleanly)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)

@@ -221,7 +221,7 @@ def test_trees_longer_than_the_short_kernels_chunks_keep_their_bits(dtype):
     """A 32-token tree query (a root, 31 drafts: the most a tree holds) goes to the short
     kernel for its bits, while a 20-token prefill chunk beside it stays causal on the long
     path; both backends against the written-out rule."""
-    from kiln.config import MAX_TREE_DRAFTS
+    from kiln.config_speculative import MAX_TREE_DRAFTS
 
     n = MAX_TREE_DRAFTS + 1
     layout, positions, cache, q, k, v, bs = random_batch(dtype, [n, 20, 1], [13, 9, 30],

@@ -21,7 +21,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 LEAVES = frozenset({
-    "kiln.config", "kiln.config_fields", "kiln.sampling_params", "kiln.outputs",
+    "kiln.config", "kiln.config_fields", "kiln.config_speculative", "kiln.sampling_params", "kiln.outputs",
     "kiln.version",
     "kiln.engine.contract", "kiln.models.layers.attention",
 })

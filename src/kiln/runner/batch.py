@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.config import MAX_TREE_DRAFTS
+from kiln.config_speculative import MAX_TREE_DRAFTS
 from kiln.engine.contract import SchedulerOutput, tree_depths
 from kiln.models.layers.attention import SeqLayout
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kiln.config import DEFAULT_TREE_DRAFTS, SpeculativeConfig
+from kiln.config_speculative import DEFAULT_TREE_DRAFTS, SpeculativeConfig
 from kiln.engine.scheduler import SchedulerOutput
 from kiln.speculative.proposer import (
     Draft,

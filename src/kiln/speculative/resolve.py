@@ -24,7 +24,7 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 
-from kiln.config import SpeculativeConfig
+from kiln.config_speculative import SpeculativeConfig
 
 SPECULATOR_FILE = "speculator.json"
 FILE_FREE_METHODS = ("ngram",)

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from kiln.config import SpeculativeConfig
+from kiln.config_speculative import SpeculativeConfig
 from kiln.engine.contract import EngineCoreOutput
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
