@@ -13,13 +13,8 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from kiln.assembly import build_engine_core
-from kiln.config import (
-    EngineConfig,
-    SpeculativeConfig,
-    engine_config_from,
-    setting_sections,
-    unknown_setting,
-)
+from kiln.config import EngineConfig, engine_config_from, setting_sections, unknown_setting
+from kiln.config_speculative import SpeculativeConfig
 from kiln.engine.contract import TokenLogprobs
 from kiln.engine.core import RequestError
 from kiln.engine.output_processor import OutputSequence, RequestState

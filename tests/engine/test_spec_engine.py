@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.config import (
+from kiln.config_speculative import (
     HEAD_TREE_DRAFTS,
     HEAD_TREE_MIN_PROB,
     HEAD_TREE_WIDTH,

@@ -19,12 +19,12 @@ from kiln.config import (
     ParallelConfig,
     SchedulerConfig,
     ServeConfig,
-    SpeculativeConfig,
     StructuredConfig,
     WorkerConfig,
 )
 from kiln.config_cli import flag_fields, flag_name
 from kiln.config_fields import field_doc
+from kiln.config_speculative import SpeculativeConfig
 from kiln.serve.cli import PER_WORKER, configs
 
 ENGINE_CONFIGS = [ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, SpeculativeConfig,

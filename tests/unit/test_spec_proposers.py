@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.config import (
+from kiln.config_speculative import (
     DEFAULT_TREE_DRAFTS,
     HEAD_TREE_DRAFTS,
     HEAD_TREE_MIN_PROB,

@@ -17,10 +17,10 @@ from kiln.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
-    SpeculativeConfig,
     StructuredConfig,
 )
 from kiln.config_cli import add_flags, config_from_flags, flags_given
+from kiln.config_speculative import SpeculativeConfig
 from kiln.speculative.resolve import resolve_speculative_config
 
 

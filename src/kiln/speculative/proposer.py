@@ -27,13 +27,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from kiln.config import (
-        CacheConfig,
-        ModelConfig,
-        ParallelConfig,
-        SchedulerConfig,
-        SpeculativeConfig,
-    )
+    from kiln.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+    from kiln.config_speculative import SpeculativeConfig
     from kiln.engine.request import Request
     from kiln.engine.scheduler import SchedulerOutput
     from kiln.runner.model_runner import ModelRunner
