@@ -13,6 +13,15 @@ dilute the comparison). Rows, per model and weight format (bf16, int8):
 
 and the ratio MoE / dense of batch-1 decode time per token (target: at most 1.3).
 
+`--family glm` makes a GLM-4.5-Air-shaped pair instead (transformers' Glm4MoeConfig): the same
+sizes, DeepSeek-V3's sigmoid router with the score-correction bias (n_group 1, as GLM-4.5),
+one always-on shared expert, the first layer dense, q/k/v biases and half-head partial
+rotary. Its dense twin is a GLM with every layer dense, MLP width (8 + 1) x 384 = 3,456 (the
+routed plus the shared expert), so both read the same weights per token through the same
+attention. No multi-token-prediction layer (num_nextn_predict_layers 0), so llama.cpp's
+converter (it runs glm4moe) takes the directory as it is. Its directories (and GGUFs) are
+glm-moe and glm-dense, under DIR/full-glm.
+
 Side by side with llama.cpp (`--llamacpp`): convert the MoE directory to GGUF with llama.cpp's
 converter (it runs qwen3moe) and time it with the shared batch-1 script; with peers installed
 (benchmarks/peers/setup_llamacpp.sh) this script does both, else it prints the commands:
@@ -25,7 +34,8 @@ converter (it runs qwen3moe) and time it with the shared batch-1 script; with pe
 whose hash llama.cpp does not know.) Compare bf16 with bf16 and kiln's int8 with q8_0.
 
 usage: python benchmarks/moe.py [--dir /tmp/kiln-moe-bench] [--formats bf16,int8] [--reps 3]
-       [--threads 2] [--llamacpp] [--tiny] [--out benchmarks/results/moe.json]
+       [--threads 2] [--family qwen3|glm] [--llamacpp] [--tiny]
+       [--out benchmarks/results/moe.json]
        (--tiny: a 2-layer toy with 8 experts and short runs, to check the script works)
 """
 
@@ -68,8 +78,10 @@ TINY = Shape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=8, t
              expert_width=32, prompt_len=16, new_tokens=8, batch=4)
 
 
-def hf_configs(s: Shape, vocab: int) -> dict[str, dict]:
+def hf_configs(s: Shape, vocab: int, family: str = "qwen3") -> dict[str, dict]:
     """model name -> (model_type, config) of the MoE and its dense twin."""
+    if family == "glm":
+        return glm_configs(s, vocab)
     common = dict(hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
                   num_key_value_heads=s.kv_heads, head_dim=s.head_dim, vocab_size=vocab,
                   max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6,
@@ -83,7 +95,27 @@ def hf_configs(s: Shape, vocab: int) -> dict[str, dict]:
     }
 
 
-def make_checkpoints(root: Path, s: Shape) -> None:
+def glm_configs(s: Shape, vocab: int) -> dict[str, dict]:
+    """GLM-4.5-Air's layout at the benchmark's sizes, and its all-dense twin."""
+    active = (s.top_k + 1) * s.expert_width  # the routed experts and the shared one
+    common = dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"],
+                  hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+                  num_key_value_heads=s.kv_heads, head_dim=s.head_dim, vocab_size=vocab,
+                  max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5,
+                  bos_token_id=1, eos_token_id=2, attention_bias=True, use_qk_norm=False,
+                  partial_rotary_factor=0.5, intermediate_size=active,
+                  num_nextn_predict_layers=0)
+    return {
+        "glm-moe": dict(common, n_routed_experts=s.experts, num_experts_per_tok=s.top_k,
+                    moe_intermediate_size=s.expert_width, n_shared_experts=1, n_group=1,
+                    topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+                    first_k_dense_replace=1),
+        "glm-dense": dict(common, n_routed_experts=s.experts, num_experts_per_tok=s.top_k,
+                      moe_intermediate_size=s.expert_width, first_k_dense_replace=s.layers),
+    }
+
+
+def make_checkpoints(root: Path, s: Shape, family: str = "qwen3") -> None:
     """DIR/moe, DIR/dense (random bf16 weights, the tiny tokenizer) and DIR/prompts.json."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -91,7 +123,7 @@ def make_checkpoints(root: Path, s: Shape) -> None:
     from kiln.testing.tiny import make_tokenizer
 
     tokenizer = make_tokenizer()
-    for name, cfg in hf_configs(s, len(tokenizer)).items():
+    for name, cfg in hf_configs(s, len(tokenizer), family).items():
         path = root / name
         if (path / "config.json").exists():
             continue
@@ -138,7 +170,8 @@ def measure(path: str, fmt: str, prompts: list[list[int]], s: Shape, reps: int,
 
 def run_measure(name: str, fmt: str, args) -> list[dict]:
     cmd = [sys.executable, __file__, "--measure", name, "--dir", args.dir, "--formats", fmt,
-           "--reps", str(args.reps), "--threads", str(args.threads)] + (
+           "--reps", str(args.reps), "--threads", str(args.threads), "--family",
+           args.family] + (
         ["--tiny"] if args.tiny else [])
     env = os.environ | KILN_BIND | {"PYTHONPATH": str(ROOT / "src")}
     print(f"running kiln {name} {fmt} ...", flush=True)
@@ -149,13 +182,19 @@ def run_measure(name: str, fmt: str, args) -> list[dict]:
     return rows
 
 
-def ratios(rows: list[dict]) -> list[dict]:
+def model_names(family: str) -> tuple[str, str]:
+    """(MoE, dense twin) directory names; GLM's differ so its GGUFs do not overwrite Qwen's."""
+    return ("moe", "dense") if family == "qwen3" else (f"{family}-moe", f"{family}-dense")
+
+
+def ratios(rows: list[dict], family: str = "qwen3") -> list[dict]:
     """MoE / dense batch-1 decode time per token, per format."""
+    moe_name, dense_name = model_names(family)
     per = {(r["model"], r["format"]): r for r in rows if r["test"] == "batch1"}
     out = []
     for (model, fmt), r in per.items():
-        dense = per.get(("dense", fmt))
-        if model == "moe" and dense:
+        dense = per.get((dense_name, fmt))
+        if model == moe_name and dense:
             out.append(dict(test="moe_over_dense_decode", format=fmt, target_at_most=1.3,
                             ratio=round(r["decode_ms_per_token"] /
                                         dense["decode_ms_per_token"], 3)))
@@ -165,20 +204,21 @@ def ratios(rows: list[dict]) -> list[dict]:
 def llamacpp_rows(root: Path, args) -> list[dict]:
     """llama.cpp batch 1 on GGUFs converted from DIR/moe, where the peer is installed."""
     py = PEERS / "llamacpp-venv" / "bin" / "python"
-    recipe = (f"PRE_TOKENIZER=gpt-2 MODEL_DIR={root / 'moe'} benchmarks/peers/make_gguf.sh "
-              f"bf16 q8_0\n  {py} {SHARED / 'bench_llamacpp.py'} {PEERS / 'gguf'}/moe-bf16.gguf "
+    moe = model_names(args.family)[0]
+    recipe = (f"PRE_TOKENIZER=gpt-2 MODEL_DIR={root / moe} benchmarks/peers/make_gguf.sh "
+              f"bf16 q8_0\n  {py} {SHARED / 'bench_llamacpp.py'} {PEERS / 'gguf'}/{moe}-bf16.gguf "
               f"{root / 'prompts.json'} {args.reps} {args.threads}")
     if not py.exists():
         print(f"skip llama.cpp: not installed (benchmarks/peers/setup_llamacpp.sh); then:\n"
               f"  {recipe}")
         return []
     subprocess.run(["bash", str(ROOT / "benchmarks/peers/make_gguf.sh"), "bf16", "q8_0"],
-                   env=os.environ | {"MODEL_DIR": str(root / "moe"), "PRE_TOKENIZER": "gpt-2"},
+                   env=os.environ | {"MODEL_DIR": str(root / moe), "PRE_TOKENIZER": "gpt-2"},
                    check=True)
     rows = []
     for t in ("bf16", "q8_0"):
         proc = subprocess.run([str(py), str(SHARED / "bench_llamacpp.py"),
-                               str(PEERS / "gguf" / f"moe-{t}.gguf"), str(root / "prompts.json"),
+                               str(PEERS / "gguf" / f"{moe}-{t}.gguf"), str(root / "prompts.json"),
                                str(args.reps), str(args.threads)], capture_output=True, text=True)
         rows += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode != 0:
@@ -193,22 +233,26 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tiny", action="store_true", help="a toy shape, to check the script")
+    p.add_argument("--family", choices=("qwen3", "glm"), default="qwen3",
+                   help="the MoE's layout: Qwen3-MoE's, or GLM-4.5's (sigmoid router, "
+                        "shared expert, partial rotary)")
     p.add_argument("--llamacpp", action="store_true", help="also llama.cpp on a GGUF of the MoE")
     p.add_argument("--out", help="write every row as JSON here")
     p.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one model, fresh process
     args = p.parse_args()
     shape = TINY if args.tiny else FULL
-    root = Path(args.dir) / ("tiny" if args.tiny else "full")
+    root = Path(args.dir) / (("tiny" if args.tiny else "full")
+                             + ("" if args.family == "qwen3" else f"-{args.family}"))
     if args.measure:
         prompts = json.loads((root / "prompts.json").read_text())
         for row in measure(str(root / args.measure), args.formats, prompts, shape, args.reps,
                            args.threads):
             print(json.dumps(row), flush=True)
         return
-    make_checkpoints(root, shape)
-    rows = [row for name in ("moe", "dense") for fmt in args.formats.split(",")
+    make_checkpoints(root, shape, args.family)
+    rows = [row for name in model_names(args.family) for fmt in args.formats.split(",")
             for row in run_measure(name, fmt, args)]
-    rows += ratios(rows) + (llamacpp_rows(root, args) if args.llamacpp else [])
+    rows += ratios(rows, args.family) + (llamacpp_rows(root, args) if args.llamacpp else [])
     for row in rows:
         print(json.dumps(row))
     if args.out:

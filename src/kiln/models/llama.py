@@ -198,8 +198,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"tensor_parallel_size {tp.size}: {type(self).__name__} runs in one "
                              f"process only (its experts are not sharded yet); use 1")
         self.model = LlamaModel(a, method_for, dtype, backend, self.ops, tp, make_layer)
-        self.rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta,
-                                      a.rope_scaling, dtype)
+        self.rotary = self.make_rotary(a, dtype)
         # with tied embeddings the loader fills lm_head from embed_tokens (packed separately),
         # which already holds just this rank's rows of the vocabulary
         vocab = tp.vocab_rows(a.vocab_size)
@@ -207,6 +206,11 @@ class LlamaForCausalLM(nn.Module):
         rows = slice(0, per_rank) if a.tie_word_embeddings else vocab
         self.lm_head = Linear(a.hidden_size, per_rank, dtype=dtype,
                               method=tp.column(method_for("lm_head"), (rows,)))
+
+    def make_rotary(self, a: LlamaArch, dtype: torch.dtype) -> RotaryEmbedding:
+        """The rotary tables, over whole heads (a hook: GLM-4.5 rotates part of each head)."""
+        return RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta,
+                               a.rope_scaling, dtype)
 
     def layer_maker(self, a: LlamaArch, method_for: MethodFor, dtype, backend,
                     ops) -> Callable[[int], nn.Module] | None:

@@ -143,11 +143,13 @@ def _lm_head_dense(dense: str) -> str:
 def _load_weights(model: nn.Module, path: Path) -> None:
     expected = _expected_tensors(model)
     loaded: set[str] = set()
+    # a model's checkpoint parts it does not run (GLM-4.5's multi-token-prediction layers)
+    unused = getattr(model, "unused_checkpoint_prefixes", ())
     for file in weight_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    if name.endswith(_IGNORED_SUFFIXES):
+                    if name.endswith(_IGNORED_SUFFIXES) or name.startswith(unused):
                         continue
                     loaded.add(_load_one(model, name, f.get_tensor(name)))
         except (OSError, RuntimeError, ValueError, SafetensorError) as exc:

@@ -9,6 +9,17 @@ block returns the experts' outputs weighted by the router's scores:
     y       = sum_j w_j * Expert_{ids_j}(x)         [T, H]
     y      += sigmoid(x w_s^T) * SharedExpert(x)    (Qwen2-MoE's always-on shared expert)
 
+DeepSeek-V3's router (GLM-4.5 uses the same) scores each expert with a sigmoid instead, chooses
+with a learned bias added (the "auxiliary-loss-free" balancing: the bias steers which experts
+run, never how much they weigh), first the best `topk_group` of `n_group` expert groups, then
+the top k inside them, and scales the renormalized weights by `routed_scaling_factor`:
+
+    s       = sigmoid(x W_g^T)                      [T, E]   (fp32 weight and logits, as HF)
+    c       = s + b                                 (b: e_score_correction_bias, choice only)
+    groups  = top_topk_group(sum of each group's 2 best c)
+    ids     = top_k(c, masked to those groups);  w = s[ids] / sum s[ids] * routed_scaling_factor
+    y       = sum_j w_j * Expert_{ids_j}(x) + SharedExperts(x)   (n_shared_experts, no gate)
+
 `FusedExperts` computes the sum without a Python loop over tokens: the T*k (token, expert)
 pairs are sorted by expert once, the tokens gathered into that order, each *active* expert
 runs one GEMM over its contiguous run of rows through its own `Linear` (so every weight format
@@ -17,10 +28,9 @@ with their weights. A batch-1 decode step therefore reads only its k experts' we
 cost follows the active parameters, not the total.
 
 Experts stay one module each (`experts.{e}.gate_up_proj`, HF's per-expert checkpoint names),
-so expert parallelism can later place a subset of them per rank. The router is shaped for the
-other routers (DeepSeek's sigmoid scores, grouped top-k, score-correction bias): `Scoring`
-names the score function and `RouterSpec` is where their parameters join; a config asking for
-one kiln does not run yet fails at load (`check_moe_fields`), never with wrong tokens.
+so expert parallelism can later place a subset of them per rank. `deepseek_moe_shape` reads
+the DeepSeek-V3 / GLM-4.5 sparse block from their shared config fields; a config asking for a
+variant kiln does not run fails at load (`check_moe_fields`), never with wrong tokens.
 """
 
 from __future__ import annotations
@@ -47,9 +57,10 @@ class UnsupportedVariant(ValueError):
 
 
 class Scoring(enum.Enum):
-    """How router logits become expert scores (DeepSeek-V3's "sigmoid" is the next one)."""
+    """How router logits become expert scores."""
 
-    SOFTMAX = "softmax"
+    SOFTMAX = "softmax"  # Mixtral, Qwen: the scores of a token sum to 1
+    SIGMOID = "sigmoid"  # DeepSeek-V3, GLM-4.5: each expert scored on its own
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,12 @@ class RouterSpec:
     top_k: int  # k experts per token
     scoring: Scoring
     normalize_top_k: bool  # rescale the k chosen scores to sum to 1 (Mixtral always does)
+    # DeepSeek-V3 / GLM-4.5 (the defaults leave the softmax routers as they are):
+    num_groups: int = 1  # n_group: the experts split into this many equal groups
+    top_k_groups: int = 1  # topk_group: a token chooses its experts inside this many groups
+    selection_bias: bool = False  # e_score_correction_bias [E], added for the choice only
+    scaling_factor: float = 1.0  # routed_scaling_factor, multiplies the combine weights
+    fp32_weight: bool = False  # gate weight kept and applied in fp32 (HF keeps it so)
 
     def __post_init__(self):
         if self.num_experts < 1:
@@ -67,6 +84,25 @@ class RouterSpec:
         if not 1 <= self.top_k <= self.num_experts:
             raise UnsupportedVariant("num_experts_per_tok", f"{self.top_k} experts per token "
                                      f"with {self.num_experts} experts; need 1..{self.num_experts}")
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        e, g, kg = self.num_experts, self.num_groups, self.top_k_groups
+        if g < 1 or e % g:
+            raise UnsupportedVariant("n_group", f"{g} groups do not split {e} experts evenly")
+        if not 1 <= kg <= g:
+            raise UnsupportedVariant("topk_group", f"{kg} of {g} groups; need 1..{g}")
+        if g > 1 and e // g < 2:  # a group's score is the sum of its two best experts
+            raise UnsupportedVariant("n_group", f"{g} groups of {e} experts leave fewer than "
+                                     f"2 per group")
+        if self.top_k > kg * (e // g):
+            raise UnsupportedVariant("num_experts_per_tok", f"{self.top_k} experts per token "
+                                     f"but the {kg} chosen groups hold only {kg * (e // g)}")
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the group step can exclude any expert."""
+        return self.top_k_groups < self.num_groups
 
 
 @dataclass(frozen=True)
@@ -78,37 +114,66 @@ class Routing:
 
 
 class Router(nn.Module):
-    """scores = softmax(x W_g^T) (logits in the model dtype, as HF), then the top k.
+    """scores = score(x W_g^T), then the top k (`route`). The logits are in the model dtype
+    (Mixtral, Qwen) or in fp32 from an fp32 weight (DeepSeek-V3, GLM-4.5), as HF computes them.
 
     Holds HF's `gate.weight` [E, H] as a plain parameter, never a quantized format: routing
-    decisions are discrete, and a rounded router would change which experts run."""
+    decisions are discrete, and a rounded router would change which experts run. With a
+    selection bias, also HF's `gate.e_score_correction_bias` [E] (fp32)."""
 
     def __init__(self, hidden_size: int, spec: RouterSpec, dtype: torch.dtype):
         super().__init__()
         self.spec = spec
-        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size, dtype=dtype,
+        weight_dtype = torch.float32 if spec.fp32_weight else dtype
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size, dtype=weight_dtype,
                                                device="cpu"), requires_grad=False)
+        self.e_score_correction_bias = None
+        if spec.selection_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(spec.num_experts, dtype=torch.float32, device="cpu"),
+                requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> Routing:
-        logits = F.linear(x, self.weight)  # [T, E]
-        return route(logits, self.spec)
+        logits = F.linear(x.to(self.weight.dtype), self.weight)  # [T, E]
+        return route(logits, self.spec, self.e_score_correction_bias)
 
 
 # score function of each Scoring: fp32 logits [T, E] -> scores [T, E]
 _SCORE_FUNCTIONS: Mapping[Scoring, Callable[[torch.Tensor], torch.Tensor]] = {
     Scoring.SOFTMAX: lambda logits: torch.softmax(logits, dim=-1),
+    Scoring.SIGMOID: torch.sigmoid,
 }
+# added to the sum before renormalizing, as HF's DeepSeek-V3/GLM routers (k sigmoid scores may
+# all be ~0); k softmax scores sum to at least k/E, where it changes no bit
+_NORMALIZE_EPS = 1e-20
 
 
-def route(logits: torch.Tensor, spec: RouterSpec) -> Routing:
+def route(logits: torch.Tensor, spec: RouterSpec,
+          bias: torch.Tensor | None = None) -> Routing:
     """The top-k choice from router logits [T, E] (the exact-value unit tests call this).
-    Grouped top-k and a selection bias would choose `experts` here from biased, group-masked
-    scores while `weights` still gather the plain ones (DeepSeek-V3)."""
+    `experts` are chosen from the scores plus `bias` [E] (DeepSeek's score correction),
+    restricted to each token's best groups; `weights` gather the plain scores."""
     scores = _SCORE_FUNCTIONS[spec.scoring](logits.float())
-    weights, experts = scores.topk(spec.top_k, dim=-1)
+    choice = scores if bias is None else scores + bias
+    if spec.grouped:
+        choice = choice.masked_fill(~group_mask(choice, spec), float("-inf"))
+    experts = choice.topk(spec.top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
     if spec.normalize_top_k:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + _NORMALIZE_EPS)
+    if spec.scaling_factor != 1.0:
+        weights = weights * spec.scaling_factor
     return Routing(weights, experts)
+
+
+def group_mask(choice: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+    """[T, E] bool: True for the experts of each token's `top_k_groups` best groups, a group
+    scored by the sum of its two best choice scores (DeepSeek-V3's node-limited routing)."""
+    groups = choice.view(choice.shape[0], spec.num_groups, -1)  # [T, G, E/G]
+    group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    best = group_scores.topk(spec.top_k_groups, dim=-1).indices
+    chosen = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return chosen.unsqueeze(-1).expand_as(groups).reshape(choice.shape)
 
 
 class ExpertMLP(nn.Module):
@@ -184,14 +249,17 @@ class MoeShape:
     hidden_size: int
     expert_intermediate_size: int
     router: RouterSpec
-    # Qwen2-MoE's always-on expert (None: none) and whether a sigmoid gate scales it
+    # the always-on expert's width (None: none; DeepSeek's n_shared_experts experts are one
+    # MLP n_shared_experts times as wide), whether a sigmoid gate scales it (Qwen2-MoE), and
+    # its checkpoint name (Qwen's `shared_expert`, DeepSeek's and GLM's `shared_experts`)
     shared_intermediate_size: int | None = None
     shared_expert_gate: bool = False
+    shared_expert_name: str = "shared_expert"
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + routed experts (+ an optional gated shared expert), HF's module names:
-    `gate`, `experts.{e}`, `shared_expert`, `shared_expert_gate`."""
+    """Router + routed experts (+ an optional, optionally gated, shared expert), HF's module
+    names: `gate`, `experts.{e}`, `shared_expert` (or `shared_experts`), `shared_expert_gate`."""
 
     def __init__(self, shape: MoeShape, prefix: str, method_for: MethodFor,
                  dtype: torch.dtype, ops):
@@ -200,17 +268,25 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(h, shape.router, dtype)
         self.experts = FusedExperts(h, shape.expert_intermediate_size, shape.router.num_experts,
                                     f"{prefix}.experts", method_for, dtype, ops)
-        self.shared_expert = self.shared_expert_gate = None
+        self.shared_name = None
         if shape.shared_intermediate_size:
-            self.shared_expert = ExpertMLP(h, shape.shared_intermediate_size,
-                                           f"{prefix}.shared_expert", method_for, dtype, ops)
+            self.shared_name = shape.shared_expert_name
+            setattr(self, self.shared_name,
+                    ExpertMLP(h, shape.shared_intermediate_size,
+                              f"{prefix}.{self.shared_name}", method_for, dtype, ops))
+        self.shared_expert_gate = None
         if shape.shared_expert_gate:
             self.shared_expert_gate = SharedExpertGate(h, dtype)
 
+    def shared_mlp(self) -> ExpertMLP | None:
+        """The always-on expert, under its checkpoint name (None: the block has none)."""
+        return None if self.shared_name is None else getattr(self, self.shared_name)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.experts(x, self.gate(x))
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
+        shared_mlp = self.shared_mlp()
+        if shared_mlp is not None:
+            shared = shared_mlp(x)
             if self.shared_expert_gate is not None:
                 shared = self.shared_expert_gate(x) * shared
             y = y + shared
@@ -242,18 +318,81 @@ _ROUTING_WORDS = ("router", "expert", "topk", "top_k", "moe", "scoring", "routed
                   "lora_rank", "index_")
 
 
-def check_moe_fields(cfg: Mapping, known: Iterable[str], family: str) -> None:
+def check_moe_fields(cfg: Mapping, known: Iterable[str], family: str,
+                     variants: Mapping[str, tuple] = _VARIANT_DEFAULTS) -> None:
     """Raise UnsupportedVariant naming the first entry of `cfg` that asks for a variant kiln's
-    `family` does not run: a known variant field with another value, or a routing entry the
-    family does not know (`known`: the entries it reads or may ignore)."""
+    `family` does not run: a `variants` field (name -> the values kiln runs, None: absent)
+    with another value, or a routing entry the family does not know (`known`: the entries
+    it reads or may ignore)."""
     known = frozenset(known)
-    for field, accepted in _VARIANT_DEFAULTS.items():
+    for field, accepted in variants.items():
         if cfg.get(field) not in accepted:
             runs = "" if accepted[-1] is None else f" (it runs {accepted[-1]!r})"
             raise UnsupportedVariant(field, f"{cfg[field]!r} is not supported by kiln's "
                                      f"{family}{runs}")
     for field in cfg:
-        if field not in known and field not in _VARIANT_DEFAULTS and any(
+        if field not in known and field not in variants and any(
                 word in field for word in _ROUTING_WORDS):
             raise UnsupportedVariant(field, f"unknown routing option for {family}; kiln "
                                      f"reads only {', '.join(sorted(known))}")
+
+
+# DeepSeek-V3's and GLM-4.5's routing entries that kiln reads (deepseek_moe_shape; the model
+# files read first_k_dense_replace, MLA's attention reads the lora ranks) or may ignore
+# (training only)
+DEEPSEEK_ROUTING_FIELDS = (
+    "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "routed_scaling_factor",
+    "norm_topk_prob", "n_shared_experts", "moe_intermediate_size", "topk_method",
+    "scoring_func", "first_k_dense_replace", "moe_layer_freq", "kv_lora_rank", "q_lora_rank",
+    "output_router_logits", "router_aux_loss_coef")
+# the values of DeepSeek-V3's variant fields that kiln computes: sigmoid scores with the
+# bias-corrected grouped top-k ("noaux_tc"), every layer past the first dense ones sparse, no
+# sparse-attention indexer (DeepSeek-V3.2), SiLU experts
+DEEPSEEK_VARIANTS: Mapping[str, tuple] = {
+    "scoring_func": (None, "sigmoid"),
+    "topk_method": (None, "noaux_tc"),
+    "moe_layer_freq": (None, 1),
+    "index_topk": (None,),
+    "hidden_act": (None, "silu"),
+}
+
+
+# what transformers' DeepseekV3Config assumes for an absent (or null) optional field
+DEEPSEEK_V3_DEFAULTS: Mapping[str, object] = {
+    "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    "n_shared_experts": 1,
+}
+
+
+def deepseek_moe_shape(cfg: dict, family: str = "DeepseekV3",
+                       defaults: Mapping[str, object] = DEEPSEEK_V3_DEFAULTS) -> MoeShape:
+    """The sparse block of DeepSeek-V3 and GLM-4.5 from their shared config.json fields:
+    sigmoid router with the score-correction bias, n_group/topk_group grouped top-k,
+    norm_topk_prob, routed_scaling_factor, and n_shared_experts always-on experts of
+    moe_intermediate_size each (one MLP that wide). An absent optional field takes the
+    family's HF default (`defaults`). Raises UnsupportedVariant naming the field of a
+    variant kiln does not run."""
+    check_moe_fields(cfg, DEEPSEEK_ROUTING_FIELDS, family, DEEPSEEK_VARIANTS)
+
+    def get(field: str):
+        return defaults[field] if cfg.get(field) is None else cfg[field]
+
+    width = _required(cfg, "moe_intermediate_size")
+    router = RouterSpec(
+        num_experts=_required(cfg, "n_routed_experts"),
+        top_k=_required(cfg, "num_experts_per_tok"), scoring=Scoring.SIGMOID,
+        normalize_top_k=bool(get("norm_topk_prob")), num_groups=get("n_group"),
+        top_k_groups=get("topk_group"), selection_bias=True,
+        scaling_factor=float(get("routed_scaling_factor")), fp32_weight=True)
+    shared = get("n_shared_experts")
+    if shared < 0:
+        raise UnsupportedVariant("n_shared_experts", f"{shared}; need >= 0")
+    return MoeShape(_required(cfg, "hidden_size"), width, router,
+                    shared_intermediate_size=shared * width or None,
+                    shared_expert_name="shared_experts")
+
+
+def _required(cfg: Mapping, field: str) -> int:
+    if cfg.get(field) is None:
+        raise UnsupportedVariant(field, "missing; the sparse layers need it")
+    return cfg[field]
