@@ -1,15 +1,14 @@
 """The int8/fp8 weight-only linears (kiln.quant.linear) on the Triton kernel set: steps of at
 most quant_gemv.MAX_ROWS rows go through the Triton GEMV (counted through a wrapper that calls
 the real kernel, and equal to the kernel's own output bit for bit), larger ones and other
-kernel sets do not; and an engine on a tiny checkpoint written by kiln's quantizer gives the
-torch path's greedy tokens with the GEMV serving its decode steps (the interpreter on CPU)."""
+kernel sets do not. An engine on it: tests/engine/test_triton_features.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kiln.kernels.triton import INTERPRETED, quant_gemv
+from kiln.kernels.triton import quant_gemv
 from kiln.models.layers.linear import Linear, get_linear_method, use_kernels
 from kiln.platform import KernelSet
 from tests.kernels.triton.common import DEVICES, DTYPES, close
@@ -77,38 +76,3 @@ def test_large_steps_and_other_kernel_sets_do_not(device, gemv_calls):
         expected = 1 if kernels is KernelSet.TRITON and fmt in ("int8", "fp8") else 0
         assert len(gemv_calls) == expected, (fmt, kernels)
         gemv_calls.clear()
-
-
-@pytest.fixture(scope="module")
-def quantized_checkpoints(llama_path, tmp_path_factory) -> dict[str, str]:
-    """The tiny llama as kiln's quantizer writes it, int8 and fp8 (every linear but the
-    tied LM head)."""
-    from kiln.quant.checkpoint import write_checkpoint
-    from kiln.quant.pipeline import Reference, uniform_plan
-
-    shapes = Reference(llama_path).shapes()
-    root = tmp_path_factory.mktemp("quantized")
-    return {fmt: str(write_checkpoint(llama_path, root / fmt, uniform_plan(shapes, fmt), fmt))
-            for fmt in ("int8", "fp8")}
-
-
-@pytest.mark.skipif(not INTERPRETED, reason="the engine runs on CPU tensors here")
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
-def test_quantized_engine_on_triton_gives_the_torch_tokens(quantized_checkpoints, fmt,
-                                                           gemv_calls):
-    from kiln import LLM, SamplingParams
-
-    prompts = ["The quick brown fox", "def add(a, b):"]
-    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-
-    def run(kernels: str) -> list[list[int]]:
-        llm = LLM(quantized_checkpoints[fmt], dtype="float32", kv_cache_memory=1 << 20,
-                  num_threads=1, kernels=kernels, attention_backend="torch")
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-    expected = run("torch")
-    assert not gemv_calls
-    assert run("triton") == expected
-    # 4 linears a layer, 2 layers: every decode step's rows went through the kernel
-    decode_calls = [rows for rows in gemv_calls if rows <= 2]
-    assert len(decode_calls) >= 8 * 4

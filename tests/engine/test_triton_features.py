@@ -1,9 +1,9 @@
-"""Speculative decoding on the Triton kernel set: a draft model's runner (its int8 weights,
-its KV pool) and an EAGLE-style head on the target's platform. On the CPU the kernels run in
-Triton's interpreter: greedy tokens equal to the engine's without speculation, the draft's
-int8 decode steps through the Triton GEMV. A head packed for a platform holds every tensor on
-that platform's device (`meta` here, standing in for a GPU: nothing placed on the CPU by
-default survives the check)."""
+"""Engines on the Triton kernel set, in Triton's interpreter on the CPU (the GPU's twins:
+tests/gpu/test_quant_spec_cuda.py): int8/fp8 checkpoints written by kiln's quantizer give the
+torch path's greedy tokens with the Triton GEMV serving their decode steps; a draft model (its
+runner, int8 weights and KV pool on the target's platform) and an EAGLE-style head give the
+tokens without speculation. And a head packed for a platform holds every tensor on that
+platform's device (`meta` here, standing in for a GPU: nothing left on the CPU passes)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,65 @@ import dataclasses
 import pytest
 import torch
 
-from kiln.config import ModelConfig
-from kiln.config_speculative import SpeculativeConfig
-from kiln.kernels.triton import INTERPRETED, quant_gemv
-from kiln.platform import Platform
+pytest.importorskip("triton")
+pytest.importorskip("kiln.kernels.triton")
+
+from kiln.config import ModelConfig  # noqa: E402
+from kiln.config_speculative import SpeculativeConfig  # noqa: E402
+from kiln.kernels.triton import INTERPRETED, quant_gemv  # noqa: E402
+from kiln.platform import Platform  # noqa: E402
+
+INTERPRETER_ONLY = pytest.mark.skipif(not INTERPRETED, reason="the engines run on CPU tensors")
+
+
+@pytest.fixture
+def gemv_calls(monkeypatch) -> list[int]:
+    """Rows of each call to the real quant_gemv.weight_only_gemv, recorded on the way in."""
+    calls: list[int] = []
+    real = quant_gemv.weight_only_gemv
+
+    def counted(x, weight, scale, out=None):
+        calls.append(x.shape[0])
+        return real(x, weight, scale, out)
+
+    monkeypatch.setattr(quant_gemv, "weight_only_gemv", counted)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def quantized_checkpoints(llama_path, tmp_path_factory) -> dict[str, str]:
+    """The tiny llama as kiln's quantizer writes it, int8 and fp8 (every linear but the
+    tied LM head)."""
+    from kiln.quant.checkpoint import write_checkpoint
+    from kiln.quant.pipeline import Reference, uniform_plan
+
+    shapes = Reference(llama_path).shapes()
+    root = tmp_path_factory.mktemp("quantized")
+    return {fmt: str(write_checkpoint(llama_path, root / fmt, uniform_plan(shapes, fmt), fmt))
+            for fmt in ("int8", "fp8")}
+
+
+@INTERPRETER_ONLY
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantized_engine_on_triton_gives_the_torch_tokens(quantized_checkpoints, fmt,
+                                                           gemv_calls):
+    from kiln import LLM, SamplingParams
+
+    prompts = ["The quick brown fox", "def add(a, b):"]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+
+    def run(kernels: str) -> list[list[int]]:
+        llm = LLM(quantized_checkpoints[fmt], dtype="float32", kv_cache_memory=1 << 20,
+                  num_threads=1, kernels=kernels, attention_backend="torch")
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    expected = run("torch")
+    assert not gemv_calls
+    assert run("triton") == expected
+    # 4 linears a layer, 2 layers: every decode step's rows went through the kernel
+    decode_calls = [rows for rows in gemv_calls if rows <= 2]
+    assert len(decode_calls) >= 8 * 4
+
 
 SPEC = SpeculativeConfig(num_speculative_tokens=2, adaptive=False, ngram_first=False,
                          tree_width=1)
@@ -46,20 +101,12 @@ def head_path(llama_path, tmp_path_factory) -> str:
     return str(out)
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="the engine runs on CPU tensors here")
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("proposer", ["draft", "head"])
 def test_speculation_on_triton_gives_the_tokens_without_it(llama_path, draft_path, head_path,
-                                                          proposer, monkeypatch):
+                                                          proposer, gemv_calls):
     from kiln import LLM, SamplingParams
 
-    calls: list[int] = []
-    real = quant_gemv.weight_only_gemv
-
-    def counted(x, weight, scale, out=None):
-        calls.append(x.shape[0])
-        return real(x, weight, scale, out)
-
-    monkeypatch.setattr(quant_gemv, "weight_only_gemv", counted)
     prompts = ["The quick brown fox jumps over the lazy dog. The quick", "def add(a, b):"]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -70,12 +117,12 @@ def test_speculation_on_triton_gives_the_tokens_without_it(llama_path, draft_pat
                                                                    use_tqdm=False)]
 
     _, expected = run()
-    assert not calls  # a dense target
+    assert not gemv_calls  # a dense target
     speculator = {"draft": draft_path, "head": head_path}[proposer]
     llm, tokens = run(speculator=speculator, speculative_config=SPEC)
     assert tokens == expected
     assert llm.engine.speculator.stats.num_draft_tokens > 0
-    assert calls  # the draft's or head's int8 decode steps, through the Triton GEMV
+    assert gemv_calls  # the draft's or head's int8 decode steps, through the Triton GEMV
     if proposer == "head":
         return
     runner = llm.engine.speculator.proposer.runner
