@@ -60,3 +60,16 @@ def test_num_kv_blocks_rules():
     # on the CPU: max_model_len x max_num_seqs tokens (4 blocks each), capped
     assert num_kv_blocks(spec, CacheConfig(), 64, 4) == 16
     assert num_kv_blocks(spec, CacheConfig(max_kv_cache_memory=10 * per_block), 64, 4) == 10
+
+
+def test_a_draft_pool_mirrors_the_target_within_what_is_free():
+    from kiln.runner.device_memory import draft_kv_blocks
+
+    # 6 GiB free after the target's pool and the draft's weights, 1 GiB kept: 5 GiB of blocks
+    assert draft_kv_blocks(card(free_gib=6), wanted=100, bytes_per_block=MiB) == 100
+    assert draft_kv_blocks(card(free_gib=6), wanted=10 ** 6, bytes_per_block=MiB) == 5 * 1024
+    with pytest.raises(ValueError) as err:
+        draft_kv_blocks(card(free_gib=1.5, weights_gib=0.25), wanted=10, bytes_per_block=GiB)
+    message = str(err.value)
+    assert "1.50 GiB free after the target's pool and the draft's weights (0.25 GiB)" in message
+    assert "lower gpu_memory_utilization or give draft_kv_cache_memory" in message

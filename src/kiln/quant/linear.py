@@ -24,6 +24,10 @@ a cache would give the memory saving back, so each call pays the dequantization 
 dominates at batch 1). int8 uses kiln's or torch's int8 kernels where kiln.kernels.quant_mm
 has one; int4 (both variants) is repacked at `finalize` into the layout of torch's CPU int4
 kernel, which serves bf16/fp16 activations at small token counts (see Int4LinearMethod).
+With the Triton kernel set (a CUDA platform, or Triton's interpreter in tests: `use_kernels`),
+weight-only int8 and fp8 steps of at most `quant_gemv.MAX_ROWS` rows run kiln's Triton GEMV
+(kiln.kernels.triton.quant_gemv: codes widened in registers, the row scale applied once);
+larger steps keep the paths above (on a GPU: dequantize + cuBLAS).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from kiln.kernels.quant_mm import (
     int8_weight_only_mm,
 )
 from kiln.models.layers.linear import Linear, StackTensors, register_linear_method, shard_rows
+from kiln.platform import KernelSet
 from kiln.quant.formats import (
     Int4Format,
     StoredTensor,
@@ -63,6 +68,9 @@ log = logging.getLogger(__name__)
 
 DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DYNAMIC_SUFFIX = "-dyn"
+# weight-only formats kiln.kernels.triton.quant_gemv reads as stored (codes [out, in], one
+# fp32 scale per output row)
+TRITON_GEMV_FORMATS = ("int8", "fp8")
 
 
 class QuantLinearMethod:
@@ -73,6 +81,8 @@ class QuantLinearMethod:
         self.fmt = get_format(fmt) if isinstance(fmt, str) else fmt
         self.act_quant = act_quant
         self.tile_elements = tile_elements
+        # the most rows the Triton GEMV serves, once `use_kernels` chose it; None: never
+        self.triton_gemv_rows: int | None = None
 
     # -- lifecycle: create, load, finalize ------------------------------------------------
 
@@ -136,6 +146,17 @@ class QuantLinearMethod:
         target.copy_(tensor)
         layer.quant_loaded.add((shard, name))
 
+    def use_kernels(self, layer: Linear, kernels: KernelSet) -> None:
+        """The platform's kernel set (kiln.models.layers.linear.use_kernels, after loading):
+        with Triton's, a weight-only int8 or fp8 layer sends decode-sized steps to the
+        Triton GEMV. Imports triton only then."""
+        if kernels is not KernelSet.TRITON or self.act_quant:
+            return
+        if self.fmt.name in TRITON_GEMV_FORMATS:
+            from kiln.kernels.triton import quant_gemv
+
+            self.triton_gemv_rows = quant_gemv.MAX_ROWS
+
     # -- compute ----------------------------------------------------------------------------
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -153,9 +174,14 @@ class QuantLinearMethod:
 
     def matmul(self, layer: Linear, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, in] @ W^T -> [M, out]; the plain reference every speed path must match."""
+        if self.takes_triton_gemv(x2):
+            return triton_gemv(layer, x2)
         if self.act_quant:
             x2 = self.fmt.fake_quantize(x2)
         return self.weight_matmul(layer, x2)
+
+    def takes_triton_gemv(self, x2: torch.Tensor) -> bool:
+        return self.triton_gemv_rows is not None and x2.shape[0] <= self.triton_gemv_rows
 
     def weight_matmul(self, layer: Linear, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, in] @ W^T: subclasses override this with a kernel where one runs."""
@@ -207,6 +233,8 @@ class Int8LinearMethod(QuantLinearMethod):
     """
 
     def matmul(self, layer, x2):
+        if self.takes_triton_gemv(x2):
+            return triton_gemv(layer, x2)
         if self.act_quant:
             return self.w8a8_matmul(layer, x2)
         y = int8_gemv_mm(x2, layer.weight, layer.weight_scale)
@@ -218,7 +246,7 @@ class Int8LinearMethod(QuantLinearMethod):
         """Weight-only: kiln's int8 kernel at any token count (fp32 sums written as fp32,
         the weights read once per 8 tokens), where the dequantized fp32 matmul would widen
         every weight each call."""
-        if self.act_quant or x.dim() != 2:
+        if self.act_quant or x.dim() != 2 or self.takes_triton_gemv(x):
             return super().apply_fp32(layer, x)
         y = int8_gemv_fp32(x, layer.weight, layer.weight_scale)
         if y is None:
@@ -290,6 +318,15 @@ class Int4LinearMethod(QuantLinearMethod):
         if name == "weight_packed" and hasattr(layer, "int4_kernel_weight"):
             return pack_nibbles(int4_kernel_unpack(layer.int4_kernel_weight, layer.in_features))
         return super().stored(layer, name)
+
+
+def triton_gemv(layer: Linear, x2: torch.Tensor) -> torch.Tensor:
+    """x2 [M, in] @ (weight * weight_scale)^T through kiln.kernels.triton.quant_gemv, in x2's
+    dtype (fp32 sums, the scale applied once). Looked up per call: tests count calls."""
+    from kiln.kernels.triton import quant_gemv
+
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    return quant_gemv.weight_only_gemv(x2, layer.weight, layer.weight_scale)
 
 
 _LOGGED: set[str] = set()

@@ -46,6 +46,24 @@ def gpu_kv_blocks(memory: DeviceMemory, utilization: float, bytes_per_block: int
     return blocks
 
 
+def draft_kv_blocks(memory: DeviceMemory, wanted: int, bytes_per_block: int) -> int:
+    """A draft model's KV blocks on a GPU, sized after the target took its pool: `wanted`
+    (as many tokens as the target's pool holds: a draft mirrors the target's sequences), or
+    fewer where the card's free memory, less the draft's activation reserve, holds fewer
+    (requests whose draft KV does not fit then get no drafts). ValueError naming the numbers
+    when not one block fits."""
+    room = memory.free - memory.activations
+    blocks = min(wanted, max(0, room) // bytes_per_block)
+    if blocks < 1:
+        raise ValueError(
+            f"no GPU memory left for the draft model's KV cache: {_gib(memory.free)} free after "
+            f"the target's pool and the draft's weights ({_gib(memory.weights)}), "
+            f"{_gib(memory.activations)} kept for its activations, one block is "
+            f"{bytes_per_block} bytes; lower gpu_memory_utilization or give "
+            f"draft_kv_cache_memory")
+    return blocks
+
+
 def activation_reserve(hidden: int, intermediate: int, qkv_width: int, vocab: int,
                        tokens: int, logits_rows: int, elem_bytes: int) -> int:
     """Bytes for one step's activations at most: per token the residual stream, a norm's

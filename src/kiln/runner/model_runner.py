@@ -21,7 +21,7 @@ from kiln.distributed.communicator import RankFailure
 from kiln.distributed.launch import RankGroup, default_threads_per_rank
 from kiln.engine.contract import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kiln.models.layers.attention import AttentionMetadata
-from kiln.models.layers.linear import get_linear_method
+from kiln.models.layers.linear import get_linear_method, use_kernels
 from kiln.models.layers.ops import ops_for
 from kiln.models.layers.parallel import (
     SINGLE,
@@ -121,6 +121,7 @@ class ModelRunner:
                             tp=None if ranks is None else tp)
         # built and loaded on the CPU (the LinearMethod contract), then on the platform's device
         self.model, self.hf_config = loaded.model.to(self.device), loaded.hf_config
+        use_kernels(self.model, self.platform.kernels)  # e.g. quantized linears' Triton GEMV
         # the decoder stack as one call where the platform and every layer allow it
         self.stack = self._stack_weights() if ranks is None else None
         arch = self.model.arch

@@ -45,24 +45,25 @@ class _Shadow:
 @register_proposer("draft")
 class DraftModelProposer:
     def __init__(self, config, ctx: ProposerContext):
-        from kiln.runner.model_runner import ModelRunner, num_kv_blocks
+        from kiln.runner.model_runner import ModelRunner
         from kiln.speculative.head.model import int8_gemv_available
 
-        # int8 weight-only (kiln's int8 GEMV at decode sizes) where its kernels build: a small
-        # model's weights come from memory at every draft step, half the bytes cut a draft
-        # round's time by a quarter or more here (a quantized checkpoint keeps its own formats)
-        self.int8 = config.speculator_int8 and int8_gemv_available()
+        # int8 weight-only (kiln's int8 GEMV at decode sizes: C++ on a CPU, Triton on a GPU)
+        # where the platform has one: a small model's weights come from memory at every draft
+        # step, half the bytes cut a draft round's time by a quarter or more on a CPU (a
+        # quantized checkpoint keeps its own formats)
+        self.platform = ctx.target.platform  # the draft's config differs in its model only
+        self.int8 = config.speculator_int8 and int8_gemv_available(self.platform)
         model_config = dataclasses.replace(ctx.model, model=config.model,
                                            quantization="int8" if self.int8 else None)
+        # the draft's weights and KV on the target's device (its runner's platform)
         self.runner = ModelRunner(model_config, config.model, ctx.cache, ctx.parallel,
                                   ctx.eos_token_ids)
         if self.runner.vocab_size != ctx.target.vocab_size:
             raise ValueError(f"draft model {config.model} has a vocabulary of "
                              f"{self.runner.vocab_size}, the target {ctx.target.vocab_size}: "
                              f"a draft model must share the target's tokenizer")
-        cache = dataclasses.replace(ctx.cache, kv_cache_memory=config.draft_kv_cache_memory)
-        num_blocks = num_kv_blocks(self.runner.kv_spec, cache, ctx.max_model_len,
-                                   ctx.scheduler.max_num_seqs)
+        num_blocks = self._pool_blocks(config, ctx)
         self.runner.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(ctx.cache, num_blocks)
         self.shadows: dict[str, _Shadow] = {}
@@ -74,8 +75,25 @@ class DraftModelProposer:
 
             # the target's LM head rows for the draft vocabulary guess its choices in
             # verification (kiln.speculative.shortlist)
-            ctx.target.shortlist = Shortlist(
-                self.vocab, packed_linear(lm_head_rows(ctx.target.model, self.vocab)))
+            ctx.target.shortlist = Shortlist(self.vocab, packed_linear(
+                lm_head_rows(ctx.target.model, self.vocab), platform=self.platform))
+
+    def _pool_blocks(self, config, ctx: ProposerContext) -> int:
+        """The draft's KV blocks: `draft_kv_cache_memory` bytes when given; on a GPU as many
+        tokens as the target's pool holds (the draft mirrors its sequences), fewer where the
+        memory the target left does not hold them (kiln.runner.device_memory.draft_kv_blocks);
+        on the CPU max_model_len x max_num_seqs tokens, capped (the target's CPU rule)."""
+        from kiln.runner.device_memory import draft_kv_blocks
+        from kiln.runner.model_runner import num_kv_blocks
+
+        spec, sc = self.runner.kv_spec, ctx.scheduler
+        cache = dataclasses.replace(ctx.cache, kv_cache_memory=config.draft_kv_cache_memory)
+        memory = self.runner.device_memory(sc.max_num_batched_tokens, sc.max_num_seqs)
+        if cache.kv_cache_memory is not None or memory is None:
+            return num_kv_blocks(spec, cache, ctx.max_model_len, sc.max_num_seqs)
+        wanted = min(ctx.target.pool_blocks, -(-ctx.max_model_len // spec.block_size)
+                     * sc.max_num_seqs)
+        return draft_kv_blocks(memory, wanted, spec.bytes_per_block)
 
     def _draft_vocab(self, path: Path):
         """(token ids, their LM head rows packed) when the checkpoint carries a draft
@@ -95,7 +113,7 @@ class DraftModelProposer:
             raise ValueError(f"{meta}: draft_vocab must be a non-empty list of token ids "
                              f"below {n}")
         ids = torch.tensor(ids, device=self.runner.device)
-        return ids, packed_linear(lm_head_rows(self.runner.model, ids), self.int8)
+        return ids, packed_linear(lm_head_rows(self.runner.model, ids), self.int8, self.platform)
 
     def propose(self, sched: SchedulerOutput, wanted: list[DraftRequest]) -> list[Draft]:
         live = {}  # index in wanted -> shadow

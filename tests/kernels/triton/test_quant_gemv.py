@@ -22,7 +22,8 @@ def quantized(format_name: str, out_features: int, in_features: int) -> dict[str
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
-@pytest.mark.parametrize("shape", [(1, 20, 48), (3, 40, 70)], ids=["m1", "m3-partial"])
+@pytest.mark.parametrize("shape", [(1, 20, 48), (3, 40, 70), (17, 24, 40), (0, 20, 48)],
+                         ids=["m1", "m3-partial", "m17-two-row-tiles", "m0-empty"])
 def test_gemv_matches_reference(device, dtype, fmt, shape):
     rows, cols, inner = shape
     packed = {k: t.to(device) for k, t in quantized(fmt, cols, inner).items()}

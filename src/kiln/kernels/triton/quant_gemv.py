@@ -21,6 +21,9 @@ from kiln.kernels.triton.tiles import dot, dot_mode
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 TILE_M = 16  # tl.dot's smallest tile: rows of x past M are masked
 TILE_N = 16  # outputs per program: N / 16 programs keep every SM streaming weights
+# the most rows a linear sends here (kiln.quant.linear): one tile of rows reads each weight
+# byte once; past it every further tile reads the weights again, and dequantize + cuBLAS wins
+MAX_ROWS = TILE_M
 
 
 def tile_k(dtype: torch.dtype) -> int:

@@ -20,6 +20,9 @@ Contract of a method, in lifecycle order:
   6. `stack_tensors(layer)` (after `finalize`): the layer's tensors as a fused decoder stack
      reads them (kiln.runner.fused_stack), or None where that stack cannot run this layer;
      the stack then declines and the layers run one call each.
+  7. optional, `use_kernels(layer, kernels)` (a kiln.platform.KernelSet), once after the
+     model is on its device (`use_kernels` below): a method that picks kernels by platform
+     (kiln.quant's int8/fp8 take the Triton GEMV) decides here; one without it ignores it.
 
 Each format registers itself when its module is imported: the dense CPU ones
 (`cpu_bf16`, `onednn`) by the loader that picks between them, the quantized ones when kiln.quant
@@ -42,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.kernels.bf16_mm import bf16_linear_fp32
+from kiln.platform import KernelSet
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,3 +169,13 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_shards}, "
                 f"method={type(self.method).__name__}")
+
+
+def use_kernels(model: nn.Module, kernels: KernelSet) -> None:
+    """Tell every linear method of `model` the platform's kernel set (step 7 of the
+    contract); the runner calls it once, after moving the model to its device."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            choose = getattr(module.method, "use_kernels", None)
+            if choose is not None:
+                choose(module, kernels)

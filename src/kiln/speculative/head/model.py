@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.models.layers.linear import Linear, get_linear_method
+from kiln.models.layers.linear import Linear, get_linear_method, use_kernels
 from kiln.models.loader import dense_method
+from kiln.platform import KernelSet, Platform
 
 HEAD_WEIGHTS = "head.safetensors"
 FINAL = -1  # feature layer id of the target's final (normed) hidden state
@@ -99,7 +100,7 @@ class HeadLayer(nn.Module):
         self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
-        self.fused: tuple | None = None  # (qkv, gate_up) packed linears, for inference
+        self.fused: nn.ModuleList | None = None  # (qkv, gate_up) packed linears, for inference
         self.fused_ops = None
 
     def forward(self, x, cos, sin, attend) -> torch.Tensor:
@@ -175,16 +176,30 @@ def load_head(path: str | Path, dtype: torch.dtype) -> EagleHead:
     return head.to(dtype).eval().requires_grad_(False)
 
 
-def packed_linear(weight: torch.Tensor, int8: bool = False) -> nn.Module:
+def packed_linear(weight: torch.Tensor, int8: bool = False,
+                  platform: Platform | None = None) -> nn.Module:
     """A kiln Linear holding `weight` [out, in] in the dense format the target's own layers
-    use (`kiln.models.loader.dense_method`: oneDNN-prepacked bf16 where available, kiln's
-    bf16-weight kernel on CPUs without bf16 instructions; torch's generic bf16 matrix-vector
-    product is several times slower). With `int8`, and where kiln's int8 GEMV kernel
-    builds, decode-sized inputs take int8 weight-only rows instead (`SmallBatchInt8`)."""
-    dense = _linear(weight, dense_method(weight.dtype))
-    if int8 and int8_gemv_available():
-        return SmallBatchInt8(dense, _linear(weight, "int8"))
-    return dense
+    use (`kiln.models.loader.dense_method` for `platform`'s linear backend: on a CPU
+    oneDNN-prepacked bf16 where available, kiln's bf16-weight kernel on CPUs without bf16
+    instructions, torch's generic bf16 matrix-vector product being several times slower; on a
+    GPU plain weights through cuBLAS). With `int8`, where an int8 weight-only kernel serves
+    the platform (`int8_gemv_available`), decode-sized inputs take int8 rows instead
+    (`SmallBatchInt8`). Built on the CPU (the LinearMethod contract), then moved to
+    `platform`'s device (None: left on the CPU, with the CPU's choices)."""
+    backend = "auto" if platform is None else platform.linear_backend
+    linear: nn.Module = _linear(weight, dense_method(weight.dtype, backend))
+    if int8 and int8_gemv_available(platform):
+        linear = _small_batch_int8(linear, weight, platform)
+    return linear if platform is None else linear.to(platform.device)
+
+
+def _small_batch_int8(dense: Linear, weight: torch.Tensor,
+                      platform: Platform | None) -> SmallBatchInt8:
+    int8 = _linear(weight, "int8")
+    if platform is None or platform.kernels is not KernelSet.TRITON:
+        return SmallBatchInt8(dense, int8)
+    use_kernels(int8, platform.kernels)  # kiln's Triton GEMV, up to the rows it serves
+    return SmallBatchInt8(dense, int8, int8.method.triton_gemv_rows)
 
 
 def _linear(weight: torch.Tensor, method_name: str) -> Linear:
@@ -197,7 +212,15 @@ def _linear(weight: torch.Tensor, method_name: str) -> Linear:
     return layer
 
 
-def int8_gemv_available() -> bool:
+def int8_gemv_available(platform: Platform | None = None) -> bool:
+    """Whether an int8 weight-only kernel serves decode-sized inputs on `platform`: kiln's
+    Triton GEMV with the Triton kernel set (a GPU, or the interpreter in tests), kiln's C++
+    int8 GEMV on a CPU where it builds; on a GPU without Triton, none (dequantizing each call
+    would cost more than the bytes it saves)."""
+    if platform is not None and platform.kernels is KernelSet.TRITON:
+        return True
+    if platform is not None and platform.device.type != "cpu":
+        return False
     from kiln.kernels import cpu as cpu_kernels
     from kiln.kernels.quant_mm import INT8_GEMV_MAX_TOKENS
 
@@ -220,12 +243,14 @@ class SmallBatchInt8(nn.Module):
     oneDNN's bf16 linear (AVX-512 BF16) the int8 kernel's fp32 arithmetic loses from about 5
     rows, where a wide tree's beam drafts (ONEDNN_MAX_INT8_ROWS)."""
 
-    def __init__(self, dense: Linear, int8: Linear):
+    def __init__(self, dense: Linear, int8: Linear, max_rows: int | None = None):
+        """`max_rows`: the most rows the int8 copy serves (None: kiln's C++ int8 GEMV's)."""
         super().__init__()
         from kiln.kernels.quant_mm import INT8_GEMV_MAX_TOKENS
         from kiln.models.layers.onednn import OneDNNLinearMethod
 
-        self.dense, self.int8, self.max_rows = dense, int8, INT8_GEMV_MAX_TOKENS
+        self.dense, self.int8 = dense, int8
+        self.max_rows = INT8_GEMV_MAX_TOKENS if max_rows is None else max_rows
         if isinstance(dense.method, OneDNNLinearMethod):
             self.max_rows = min(self.max_rows, ONEDNN_MAX_INT8_ROWS)
 
@@ -233,26 +258,30 @@ class SmallBatchInt8(nn.Module):
         return self.int8(x) if x.shape[0] <= self.max_rows else self.dense(x)
 
 
-def pack_for_inference(head: EagleHead, ops=None, int8: bool = False) -> EagleHead:
+def pack_for_inference(head: EagleHead, ops=None, int8: bool = False,
+                       platform: Platform | None = None) -> EagleHead:
     """Swap every nn.Linear of a loaded head for a `packed_linear` (same math; with `int8`,
     int8 weight-only rows for decode-sized inputs), with q/k/v and gate/up concatenated into
     one each, and norms and SiLU through `ops` (the target's: kiln.models.layers.ops) when
-    given."""
+    given. With `platform`, in its formats and on its device, every tensor of the head moved
+    there (the target's runner's: the head reads its hidden states and KV)."""
     layer = head.layer
     if ops is not None:
         cat = torch.cat
-        layer.fused = (packed_linear(cat([layer.q_proj.weight, layer.k_proj.weight,
-                                          layer.v_proj.weight]).data, int8),
-                       packed_linear(cat([layer.gate_proj.weight, layer.up_proj.weight]).data,
-                                     int8))
+        # registered modules (not a plain tuple), so that moving the head moves them
+        layer.fused = nn.ModuleList([
+            packed_linear(cat([layer.q_proj.weight, layer.k_proj.weight,
+                               layer.v_proj.weight]).data, int8, platform),
+            packed_linear(cat([layer.gate_proj.weight, layer.up_proj.weight]).data, int8,
+                          platform)])
         layer.fused_ops = ops
         for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
             delattr(layer, name)
     for module in list(head.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, packed_linear(child.weight.data, int8))
-    return head
+                setattr(module, name, packed_linear(child.weight.data, int8, platform))
+    return head if platform is None else head.to(platform.device)
 
 
 def stack_weights(head: EagleHead) -> list[tuple[float, dict, bool]] | None:

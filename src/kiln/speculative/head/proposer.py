@@ -104,8 +104,9 @@ class HeadProposer:
     def __init__(self, config, ctx: ProposerContext):
         runner = ctx.target
         model, arch = runner.model, runner.model.arch
+        # built on the CPU, then every tensor on the target's device, in its platform's formats
         self.head = pack_for_inference(load_head(config.model, runner.dtype), runner.ops,
-                                       int8=config.speculator_int8)
+                                       int8=config.speculator_int8, platform=runner.platform)
         self.ops = runner.ops
         c = self.head.c
         if (c.hidden_size, c.vocab_size) != (arch.hidden_size, arch.vocab_size):
@@ -115,11 +116,12 @@ class HeadProposer:
         self.target, self.block_size, self.device = runner, ctx.cache.block_size, runner.device
         self.min_prob, self.tree_size = config.tree_min_prob or None, config.tree_size
         self.embed = model.model.embed_tokens
-        self.lm = packed_linear(lm_head_rows(model, self.head.draft_vocab), config.speculator_int8)
+        self.lm = packed_linear(lm_head_rows(model, self.head.draft_vocab), config.speculator_int8,
+                                runner.platform)
         if config.verify_shortlist:  # the same rows guess the target's choices in verification
             runner.shortlist = Shortlist(self.head.draft_vocab, self.lm)
         self.rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
-                                      c.rope_scaling, runner.dtype)
+                                      c.rope_scaling, runner.dtype).to(runner.device)
         self.tap = FeatureTap(model, c.feature_layers)
         self.paged, self.scale = runner.backend, c.head_dim ** -0.5  # the target's kernels
         self.cache = HeadKV(runner.kv_caches[0][0].shape[0], c.num_kv_heads, c.head_dim,
