@@ -183,6 +183,17 @@ def test_without_usage_the_reply_is_tokenized():
     assert send_raw(completions, endpoint=Endpoint.COMPLETIONS).record.output_tokens == 2
 
 
+def test_a_reply_of_tokens_without_text_is_not_a_failure():
+    # under ignore_eos a model may emit only special tokens: no text, but usage counts them
+    body = sse('{"choices":[{"text":""}]}', '{"choices":[{"text":"","finish_reason":"length"}]}',
+               '{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":4}}', "[DONE]")
+    r = send_raw(body, endpoint=Endpoint.COMPLETIONS).record
+    assert r.ok and r.output_tokens == 4 and r.ttft_s is not None and r.e2e_s >= r.ttft_s
+    no_tokens = sse('{"choices":[{"text":"","finish_reason":"length"}]}',
+                    '{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":0}}', "[DONE]")
+    assert send_raw(no_tokens, endpoint=Endpoint.COMPLETIONS).record.error == ErrorKind.NO_OUTPUT
+
+
 @pytest.mark.parametrize("body,status,kind", [
     (b'{"error": "busy"}', 429, "http_429"),
     (sse(CHAT % "a"), 200, ErrorKind.INCOMPLETE),

@@ -60,6 +60,10 @@ class _Stream:
     text: list[str] = field(default_factory=list)
     usage: dict[str, Any] | None = None  # the JSON boundary: the server's usage object
     done: bool = False
+    # first and last chunk that carried a choice, text or not: the times of a reply whose
+    # tokens all decode to no text (special tokens under ignore_eos), as vLLM's client times it
+    choice_first_at: float | None = None
+    choice_last_at: float | None = None
 
     def content(self, piece: str, now: float) -> None:
         if self.first_at is None:
@@ -148,6 +152,9 @@ class StreamingClient:
         piece = self._content(chunk)
         if piece:
             stream.content(piece, now)
+        if chunk.get("choices"):
+            stream.choice_first_at = stream.choice_first_at or now
+            stream.choice_last_at = now
         if chunk.get("usage"):
             stream.usage = chunk["usage"]
 
@@ -191,7 +198,11 @@ def _final_check(stream: _Stream) -> StreamError | None:
     if not stream.done:
         return StreamError(ErrorKind.INCOMPLETE, "the stream closed before data: [DONE]")
     if stream.first_at is None:
-        return StreamError(ErrorKind.NO_OUTPUT, "the stream carried no content")
+        tokens = (stream.usage or {}).get("completion_tokens") or 0
+        if not tokens or stream.choice_first_at is None:
+            return StreamError(ErrorKind.NO_OUTPUT, "the stream carried no content")
+        # tokens without text: a reply, timed by its choice-bearing chunks
+        stream.first_at, stream.last_at = stream.choice_first_at, stream.choice_last_at
     return None
 
 
