@@ -6,9 +6,12 @@ Order of operations on each row (as vLLM and HF apply them):
 Logprobs report the model's raw distribution (log-softmax of the unprocessed logits), which is
 what HF parity tests and log-likelihood evaluation expect.
 
-Random draws use the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is a sample from
-p. A seeded request draws its E row from its own generator, so its tokens do not depend on
-which other requests share the batch.
+Random draws invert the row's cumulative distribution: the first token whose running sum of p
+(in fp64) exceeds u times the row's total, u ~ U(0, 1), is a sample from p, and a token of
+probability 0 is never it. One uniform per row: the exponential race (argmax p / E, one Exp(1)
+per vocabulary entry) drew 49,152 variates a row, 16 ms a step for 16 rows on a 2-core CPU
+against 0.7 ms for this. A seeded request draws its u from its own generator, so its tokens do
+not depend on which other requests share the batch.
 """
 
 from __future__ import annotations
@@ -83,8 +86,7 @@ class Sampler:
         chosen = logits.argmax(dim=-1)
         if bool(greedy.all()):
             return chosen
-        probs = self.probabilities(logits, rows)
-        drawn = (probs / self.exponentials(rows, probs.shape[1])).argmax(dim=-1)
+        drawn = inverse_cdf_draw(self.probabilities(logits, rows), self.uniforms(rows))
         return torch.where(greedy, chosen, drawn)
 
     def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -101,14 +103,15 @@ class Sampler:
                                       0.0)
         return probs
 
-    def exponentials(self, rows: list[SamplingRow], vocab: int) -> torch.Tensor:
-        """[B, V] Exp(1) noise; seeded rows come from their own generators."""
-        noise = torch.empty(len(rows), vocab, device=self.device).exponential_(
-            generator=self.generator)
+    def uniforms(self, rows: list[SamplingRow]) -> torch.Tensor:
+        """[B] fp64 U(0, 1), one per row; seeded rows draw theirs from their own generators."""
+        u = torch.rand(len(rows), dtype=torch.float64, device=self.device,
+                       generator=self.generator)
         for i, row in enumerate(rows):
             if row.generator is not None and not row.params.greedy:
-                noise[i].exponential_(generator=row.generator)
-        return noise
+                u[i] = torch.rand((), dtype=torch.float64, device=self.device,
+                                  generator=row.generator)
+        return u
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         for i, row in enumerate(rows):
@@ -117,6 +120,15 @@ class Sampler:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 banned = [t for t in banned if t < logits.shape[1]]
                 logits[i, banned] = float("-inf")
+
+
+def inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[B] token ids drawn from probs [B, V] (rows need not sum to 1) with uniforms u [B]: the
+    first index whose fp64 running sum exceeds u times the row's sum."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
+    drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return drawn.clamp_(max=probs.shape[1] - 1)
 
 
 def take_rows(t: torch.Tensor, index: list[int]) -> torch.Tensor:
