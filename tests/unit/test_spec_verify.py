@@ -87,11 +87,11 @@ def test_rejection_sampling_keeps_the_target_distribution(with_q):
                            for j in range(2)], dim=1) if with_q
               else torch.tensor([[2, 1]]).expand(n, 2)).tolist()  # fixed guesses: one-hot q
     uniforms = torch.rand(n, 2, generator=gen)
-    noise = torch.empty(n, V).exponential_(generator=gen)
+    final_u = torch.rand(n, dtype=torch.float64, generator=gen)
     first = torch.zeros(V)
     second = torch.zeros(V)  # given the first draft was accepted
     for i in range(n):
-        out = accept_sampled(drafts[i], p, q if with_q else None, uniforms[i], noise[i])
+        out = accept_sampled(drafts[i], p, q if with_q else None, uniforms[i], final_u[i])
         first[out[0]] += 1
         if len(out) > 1:
             second[out[1]] += 1
@@ -158,11 +158,11 @@ def test_tree_rejection_sampling_keeps_the_target_distribution():
                       [1 / 6] * 6, [1 / 6] * 6])
     n = 20000
     uniforms = torch.rand(n, 5, generator=gen)
-    noise = torch.empty(n, V).exponential_(generator=gen)
+    final_u = torch.rand(n, dtype=torch.float64, generator=gen)
     first = torch.zeros(V)
     second = {2: torch.zeros(V), 1: torch.zeros(V)}
     for i in range(n):
-        out, path = accept_sampled_tree(TREE_TOKENS, TREE_PARENTS, p, uniforms[i], noise[i])
+        out, path = accept_sampled_tree(TREE_TOKENS, TREE_PARENTS, p, uniforms[i], final_u[i])
         assert [TREE_TOKENS[c] for c in path] == out[:len(path)]
         first[out[0]] += 1
         if len(out) > 1:

@@ -28,8 +28,8 @@ accepted child continues the walk from its own row, and when every child is reje
 token is drawn from r. The accepted path (`VerifyOutput.paths`) tells the runner whose KV to
 keep.
 
-Randomness: a seeded request draws its k uniforms and one row of Exp(1) noise (for the final
-draw, an exponential race as in the sampler) from its own generator, so its tokens depend only
+Randomness: a seeded request draws its k uniforms and one more (for the final draw, through the
+cumulative distribution as in the sampler) from its own generator, so its tokens depend only
 on its seed and its drafts, never on its batch company.
 """
 
@@ -40,7 +40,13 @@ from dataclasses import dataclass
 import torch
 
 from kiln.engine.contract import TokenLogprobs
-from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs, take_rows
+from kiln.runner.sampler import (
+    Sampler,
+    SamplingRow,
+    compute_logprobs,
+    inverse_cdf_draw,
+    take_rows,
+)
 
 
 @dataclass
@@ -137,9 +143,9 @@ def accept_greedy_tree(drafts: list[int], parents: list[int],
 
 
 def accept_sampled_tree(drafts: list[int], parents: list[int], p: torch.Tensor,
-                        uniforms: torch.Tensor, noise: torch.Tensor) -> tuple[list[int], list[int]]:
+                        uniforms: torch.Tensor, final_u: torch.Tensor) -> tuple[list[int], list[int]]:
     """Sampling by elimination down a tree of one-hot drafts. p: [1 + n, V] target rows,
-    uniforms: [n] (each child is tried at most once), noise: [V] Exp(1) for the final draw."""
+    uniforms: [n] (each child is tried at most once), final_u: U(0,1) for the final draw."""
     children, path, row, used = children_of(parents), [], 0, 0
     node = -1
     while True:
@@ -154,7 +160,7 @@ def accept_sampled_tree(drafts: list[int], parents: list[int], p: torch.Tensor,
             residual[drafts[c]] = 0.0
         if step is None:
             final = residual if bool(residual.sum() > 0) else p[row]
-            return [drafts[c] for c in path] + [int((final / noise).argmax())], path
+            return [drafts[c] for c in path] + [_draw(final, final_u)], path
         used += 1
         path.append(step)
         node, row = step, 1 + step
@@ -170,18 +176,18 @@ def _verify_sampled(sampler: Sampler, processed: torch.Tensor, rows: list[Sampli
         k = len(g.drafts)
         p = probs[at:at + k + 1]
         at += k + 1
-        uniforms, noise = _randomness(sampler, rows[g.first_row], k, p.shape[1])
+        uniforms, final_u = _randomness(sampler, rows[g.first_row], k)
         if g.parents is None:
-            tokens[slot] = accept_sampled(g.drafts, p, g.draft_probs, uniforms, noise)
+            tokens[slot] = accept_sampled(g.drafts, p, g.draft_probs, uniforms, final_u)
         else:
             tokens[slot], paths[slot] = accept_sampled_tree(g.drafts, g.parents, p, uniforms,
-                                                            noise)
+                                                            final_u)
 
 
 def accept_sampled(drafts: list[int], p: torch.Tensor, q: torch.Tensor | None,
-                   uniforms: torch.Tensor, noise: torch.Tensor) -> list[int]:
+                   uniforms: torch.Tensor, final_u: torch.Tensor) -> list[int]:
     """The rejection rule for one request. p: [k+1, V] target rows, q: [k, V] or None
-    (one-hot drafts), uniforms: [k] U(0,1), noise: [V] Exp(1) for the one final draw."""
+    (one-hot drafts), uniforms: [k] U(0,1), final_u: U(0,1) for the one final draw."""
     x = torch.tensor(drafts, device=p.device)
     rows = torch.arange(len(drafts), device=p.device)
     p_x = p[rows, x]
@@ -192,11 +198,16 @@ def accept_sampled(drafts: list[int], p: torch.Tensor, q: torch.Tensor | None,
         final = p[n]
     else:
         final = _residual(p[n], None if q is None else q[n].to(p.dtype), drafts[n])
-    return drafts[:n] + [int((final / noise).argmax())]
+    return drafts[:n] + [_draw(final, final_u)]
+
+
+def _draw(weights: torch.Tensor, u: torch.Tensor) -> int:
+    """One token from unnormalized weights [V] with the uniform u."""
+    return int(inverse_cdf_draw(weights[None], u.reshape(1))[0])
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor | None, draft: int) -> torch.Tensor:
-    """max(0, p - q) (unnormalized: the exponential race needs no normalization)."""
+    """max(0, p - q) (unnormalized: the draw needs no normalization)."""
     if q is None:
         residual = p.clone()
         residual[draft] = 0.0
@@ -207,12 +218,11 @@ def _residual(p: torch.Tensor, q: torch.Tensor | None, draft: int) -> torch.Tens
     return residual if bool(residual.sum() > 0) else p
 
 
-def _randomness(sampler: Sampler, row: SamplingRow, k: int,
-                vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _randomness(sampler: Sampler, row: SamplingRow, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k uniforms for the drafts and one fp64 uniform for the final draw."""
     gen = row.generator if row.generator is not None else sampler.generator
     uniforms = torch.rand(k, generator=gen, device=gen.device)
-    noise = torch.empty(vocab, device=gen.device).exponential_(generator=gen)
-    return uniforms, noise
+    return uniforms, torch.rand((), dtype=torch.float64, generator=gen, device=gen.device)
 
 
 def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], groups: list[VerifyGroup],
