@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kiln.models.deepseek_v3 import DeepseekV3Arch, DeepseekV3ForCausalLM
 from kiln.models.llama import LlamaArch, LlamaForCausalLM
 from kiln.models.mixtral import MixtralArch, MixtralForCausalLM
 from kiln.models.qwen_moe import QwenMoeArch, QwenMoeForCausalLM
@@ -15,6 +16,7 @@ _MODELS = {
     "MixtralForCausalLM": (MixtralForCausalLM, MixtralArch.from_hf),
     "Qwen2MoeForCausalLM": (QwenMoeForCausalLM, QwenMoeArch.from_hf),
     "Qwen3MoeForCausalLM": (QwenMoeForCausalLM, QwenMoeArch.from_hf),
+    "DeepseekV3ForCausalLM": (DeepseekV3ForCausalLM, DeepseekV3Arch.from_hf),
 }
 
 

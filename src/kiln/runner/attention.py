@@ -6,6 +6,11 @@ to its slot first (so a sequence that shares prefix blocks with another schedule
 step reads them in the same layer), then each query token attends to the keys of its own
 sequence at positions <= its own.
 
+A model with multi-head latent attention (kiln.models.layers.mla) keeps one tensor per layer,
+[num_slots, 1, R + P] (its latent and rope key), and calls `forward_latent`: multi-query
+attention whose values are the first R columns of the keys. Both backends run it through the
+torch path below (the C++ kernels take K and V of one width, from two contiguous tensors).
+
 The reference backend pads the flat batch into [num_seqs, max_query_len] queries against
 [num_seqs, max_seq_len] gathered keys with a boolean mask: correct for any mix of prefill
 chunks, decodes and draft tokens, and a few large tensor ops per layer rather than a Python
@@ -124,6 +129,20 @@ class TorchPagedAttention:
         v_cache.index_copy_(0, meta.slot_mapping, v)
         return padded_attention(q, kv_cache, meta.padded, scale)
 
+    def forward_latent(self, q, kv, kv_cache, meta: TorchAttentionMetadata, scale: float,
+                       value_dim: int):
+        return padded_attention(q, _write_latent(kv, kv_cache, meta.slot_mapping, value_dim),
+                                meta.padded, scale)
+
+
+def _write_latent(kv: torch.Tensor, kv_cache: tuple[torch.Tensor], slot_mapping: torch.Tensor,
+                  value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write an MLA layer's [T, 1, R + P] rows to its cache; (keys, values) views of the
+    cache for attention: the whole rows, and their first `value_dim` (R) columns."""
+    (cache,) = kv_cache
+    cache.index_copy_(0, slot_mapping, kv)
+    return cache, cache[..., :value_dim]
+
 
 @dataclass
 class LongQuery:
@@ -143,11 +162,17 @@ class CpuAttentionMetadata:
     long: SeqLayout | None  # sequences with long prefill chunks
     num_tokens: int
     long_chunks: list[LongQuery] | None = None  # `long` one chunk at a time, for SDPA
+    short_padded: PaddedLayout | None = None  # `short` for the torch path (MLA layers)
 
     def long_queries(self) -> list[LongQuery]:
         if self.long_chunks is None:  # built once per step, shared by every layer
             self.long_chunks = long_queries(self.long, self.block_size)
         return self.long_chunks
+
+    def short_padded_layout(self) -> PaddedLayout:
+        if self.short_padded is None:  # built once per step, shared by every layer
+            self.short_padded = build_padded_layout(self.short, self.block_size)
+        return self.short_padded
 
 
 def long_queries(layout: SeqLayout, block_size: int) -> list[LongQuery]:
@@ -236,6 +261,21 @@ class CpuPagedAttention:
         else:
             for item in meta.long_queries():
                 out[item.start:item.start + item.n] = causal_attention(q, kv_cache, item, scale)
+        return out
+
+    def forward_latent(self, q, kv, kv_cache, meta: CpuAttentionMetadata, scale: float,
+                       value_dim: int):
+        """MLA through torch (the C++ kernels need K and V of one width): short queries
+        padded as the reference backend does, long chunks one SDPA call each."""
+        keys_values = _write_latent(kv, kv_cache, meta.slot_mapping, value_dim)
+        out = torch.empty(meta.num_tokens, q.shape[1] * value_dim, dtype=q.dtype,
+                          device=q.device)
+        if meta.short is not None:
+            padded = meta.short_padded_layout()
+            rows = padded.query_index.flatten()[padded.output_index]
+            out[rows] = padded_attention(q, keys_values, padded, scale)
+        for item in meta.long_queries() if meta.long is not None else ():
+            out[item.start:item.start + item.n] = causal_attention(q, keys_values, item, scale)
         return out
 
 
