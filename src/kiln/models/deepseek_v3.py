@@ -44,7 +44,6 @@ class DeepseekV3Arch:
     mla: MlaShape
     rope: DeepseekRope
     first_k_dense_replace: int  # layers [0, k) dense, the rest mixtures of experts
-    qk_norm: bool = False
 
     @classmethod
     def from_hf(cls, cfg: dict, arch: str) -> DeepseekV3Arch:
@@ -167,7 +166,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         if not hasattr(backend, "forward_latent"):
             raise ValueError(f"attention backend {type(backend).__name__} has no multi-head "
                              f"latent attention; DeepSeek-V3 runs on the torch or cpu backend")
-        self.arch, self.tp, self.ops = a, tp, ops or TorchOps()
+        self.arch, self.ops = a, ops or TorchOps()
         self.model = DeepseekV3Model(a, method_for, dtype, backend, self.ops)
         self.rope = RopeTables(a.rope, a.max_position_embeddings, dtype)
         self.lm_head = Linear(a.hidden_size, a.vocab_size, dtype=dtype,
