@@ -1,6 +1,6 @@
 """MLA blocks in the paged KV cache (tiny DeepSeek-V3, every layer dense): what a block
-holds and weighs, and the engine features that move blocks around — preemption, n-gram
-speculative decoding (draft slots written then trimmed), and a KV transfer between two
+holds and weighs, and the engine features that move blocks around — preemption, speculative
+decoding (n-gram and a draft model: draft slots written then trimmed), and a KV transfer between two
 engines of latent blocks, refused between mismatched layouts."""
 
 from __future__ import annotations
@@ -87,8 +87,12 @@ def test_preemption_under_tiny_kv_budget_gives_same_tokens(mla_path, prompts, re
     assert small.engine.kv.stats().used_blocks == 0
 
 
-def test_ngram_speculative_decoding_is_token_identical(mla_path, prompts, reference):
-    llm = LLM(mla_path, dtype="float32", num_threads=1, speculator="ngram",
+@pytest.mark.parametrize("speculator", ["ngram", "draft"])
+def test_speculative_decoding_is_token_identical(mla_path, prompts, reference, speculator):
+    """n-gram drafts, and a DeepSeek draft model (the checkpoint drafting for itself: its
+    own latent cache, written and trimmed like the target's)."""
+    llm = LLM(mla_path, dtype="float32", num_threads=1,
+              speculator="ngram" if speculator == "ngram" else mla_path,
               speculative_config=SpeculativeConfig(adaptive=False, ngram_first=False,
                                                    tree_width=1))
     assert token_ids(llm.generate(as_inputs(prompts), GREEDY)) == reference
