@@ -131,17 +131,33 @@ class TorchPagedAttention:
 
     def forward_latent(self, q, kv, kv_cache, meta: TorchAttentionMetadata, scale: float,
                        value_dim: int):
-        return padded_attention(q, _write_latent(kv, kv_cache, meta.slot_mapping, value_dim),
-                                meta.padded, scale)
+        cache = _write_latent(kv, kv_cache, meta.slot_mapping)
+        return padded_latent_attention(q, cache, meta.padded, scale, value_dim)
 
 
-def _write_latent(kv: torch.Tensor, kv_cache: tuple[torch.Tensor], slot_mapping: torch.Tensor,
-                  value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write an MLA layer's [T, 1, R + P] rows to its cache; (keys, values) views of the
-    cache for attention: the whole rows, and their first `value_dim` (R) columns."""
+def _write_latent(kv: torch.Tensor, kv_cache: tuple[torch.Tensor],
+                  slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Write an MLA layer's [T, 1, R + P] rows to its one cache tensor; returns that tensor."""
     (cache,) = kv_cache
     cache.index_copy_(0, slot_mapping, kv)
-    return cache, cache[..., :value_dim]
+    return cache
+
+
+def padded_latent_attention(q: torch.Tensor, cache: torch.Tensor, meta: PaddedLayout,
+                            scale: float, value_dim: int) -> torch.Tensor:
+    """MLA's attention over its one shared head: q [T, H, R + P] against the gathered rows of
+    `cache` as keys and their first `value_dim` columns as values -> [tokens of meta's
+    sequences, H * value_dim] in flat order. Each (query, head) pair is a query row of that
+    one head, so keys are gathered once, not repeated per head as GQA's SDPA would."""
+    heads = q.shape[1]
+    qp = q[meta.query_index]  # [S, Qmax, H, R + P]
+    num_seqs, q_max = qp.shape[:2]
+    qp = qp.reshape(num_seqs, 1, q_max * heads, -1)  # row i * H + h: query i, head h
+    kp = cache[meta.key_slots].transpose(1, 2)  # [S, 1, Kmax, R + P]
+    mask = meta.mask.repeat_interleave(heads, dim=2)  # [S, 1, Qmax * H, Kmax]
+    out = F.scaled_dot_product_attention(qp, kp, kp[..., :value_dim], attn_mask=mask,
+                                         scale=scale)  # [S, 1, Qmax * H, R]
+    return out.reshape(num_seqs * q_max, heads * value_dim)[meta.output_index]
 
 
 @dataclass
@@ -267,13 +283,14 @@ class CpuPagedAttention:
                        value_dim: int):
         """MLA through torch (the C++ kernels need K and V of one width): short queries
         padded as the reference backend does, long chunks one SDPA call each."""
-        keys_values = _write_latent(kv, kv_cache, meta.slot_mapping, value_dim)
+        cache = _write_latent(kv, kv_cache, meta.slot_mapping)
         out = torch.empty(meta.num_tokens, q.shape[1] * value_dim, dtype=q.dtype,
                           device=q.device)
         if meta.short is not None:
             padded = meta.short_padded_layout()
             rows = padded.query_index.flatten()[padded.output_index]
-            out[rows] = padded_attention(q, keys_values, padded, scale)
+            out[rows] = padded_latent_attention(q, cache, padded, scale, value_dim)
+        keys_values = (cache, cache[..., :value_dim])
         for item in meta.long_queries() if meta.long is not None else ():
             out[item.start:item.start + item.n] = causal_attention(q, keys_values, item, scale)
         return out
