@@ -116,3 +116,21 @@ def test_a_sparse_layer_fails_at_load_naming_first_k_dense_replace(tmp_path):
     with pytest.raises(UnsupportedVariant, match="first_k_dense_replace") as err:
         LLM(path, dtype="float32", kv_cache_memory=8 << 20, num_threads=1)
     assert err.value.field == "first_k_dense_replace"
+
+
+def test_teacher_forcing_scores_like_hf(deepseek_ckpt):
+    """kiln.runner.scoring (quantization's KL probe) over MLA: its scratch cache takes the
+    model's latent layout, and its log-probabilities match HF's."""
+    from kiln.models.loader import load_model
+    from kiln.runner.attention import get_attention_backend
+    from kiln.runner.scoring import TeacherForcer
+
+    path = deepseek_ckpt("yarn")
+    model = load_model(path, torch.float32, get_attention_backend("torch")).model
+    windows = torch.randint(5, 400, (3, 20), generator=torch.Generator().manual_seed(0))
+    forcer = TeacherForcer(model, windows, windows_per_step=2)
+    assert [tuple(t.shape[1:]) for t in forcer.kv[0]] == [(1, 40)]
+    got = torch.cat([forcer.log_probs(forcer.forward(step)) for step in forcer.steps])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(path)(windows).logits.float(), dim=-1)
+    torch.testing.assert_close(got.view(3, 20, -1), ref, atol=1e-4, rtol=1e-4)
