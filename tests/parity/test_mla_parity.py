@@ -134,3 +134,29 @@ def test_teacher_forcing_scores_like_hf(deepseek_ckpt):
     with torch.no_grad():
         ref = torch.log_softmax(hf_model(path)(windows).logits.float(), dim=-1)
     torch.testing.assert_close(got.view(3, 20, -1), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_an_int8_checkpoint_round_trips_with_kv_b_proj_kept(deepseek_ckpt, tmp_path):
+    """`kiln quantize`'s checkpoint of a DeepSeek model: every Linear int8, kv_b_proj (read as
+    matrices by the absorbed form) stored as it was; reloaded, the same logits as quantizing
+    on load."""
+    from kiln.models.loader import load_model
+    from kiln.quant.checkpoint import write_checkpoint
+    from kiln.quant.pipeline import Reference, uniform_plan
+    from kiln.runner.attention import get_attention_backend
+    from kiln.runner.scoring import TeacherForcer
+
+    path = deepseek_ckpt("plain")
+    plan = uniform_plan(Reference(path).shapes(), "int8")
+    assert not any("kv_b_proj" in name for name in plan)
+    out = write_checkpoint(path, tmp_path / "int8", plan, "int8")
+    windows = torch.randint(5, 400, (2, 24), generator=torch.Generator().manual_seed(1))
+
+    def logits(model):
+        forcer = TeacherForcer(model, windows)
+        return torch.cat([model.compute_logits(forcer.forward(s)) for s in forcer.steps])
+
+    def load(p, **kw):
+        return load_model(p, torch.float32, get_attention_backend("torch"), **kw).model
+
+    assert torch.equal(logits(load(out)), logits(load(path, quantization="int8")))

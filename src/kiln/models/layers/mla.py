@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from kiln.models.layers.attention import AttentionMetadata
-from kiln.models.layers.linear import Linear, get_linear_method
+from kiln.models.layers.linear import Linear
 from kiln.models.layers.norm import RMSNorm
 
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
@@ -174,10 +174,28 @@ class MlaShape:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+class LatentUpProjection(nn.Module):
+    """HF's kv_b_proj, [H * (N + V), R]: per head, W_UK's N rows then W_UV's V rows. Read as
+    matrices by the absorbed form, never applied as a linear, so it is a plain parameter in
+    the model dtype (not a `Linear`: no weight format or quantizer touches it)."""
+
+    def __init__(self, s: MlaShape, dtype: torch.dtype):
+        super().__init__()
+        self.shape = s
+        rows = s.num_heads * (s.qk_nope_head_dim + s.v_head_dim)
+        self.weight = nn.Parameter(torch.empty(rows, s.kv_lora_rank, dtype=dtype, device="cpu"),
+                                   requires_grad=False)
+
+    def per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, N, R] and W_UV [H, V, R] (views)."""
+        s = self.shape
+        w = self.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        return w[:, :s.qk_nope_head_dim], w[:, s.qk_nope_head_dim:]
+
+
 class MultiHeadLatentAttention(nn.Module):
     """forward(x [T, hidden], positions [T]) -> [T, hidden], writing c_kv and k_pe to the
-    layer's cache. HF's module names; kv_b_proj is kept dense (its per-head blocks W_UK and
-    W_UV are read as matrices by the absorbed form, never applied as a linear)."""
+    layer's cache. HF's module names."""
 
     def __init__(self, s: MlaShape, prefix: str, method_for, dtype: torch.dtype,
                  backend: LatentAttentionBackend, scale: float):
@@ -197,18 +215,9 @@ class MultiHeadLatentAttention(nn.Module):
                                          bias=s.attention_bias, dtype=dtype,
                                          method=method_for(f"{prefix}.kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(s.kv_lora_rank, s.rms_norm_eps, dtype)
-        self.kv_b_proj = Linear(s.kv_lora_rank,
-                                s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), dtype=dtype,
-                                method=get_linear_method("dense"))
+        self.kv_b_proj = LatentUpProjection(s, dtype)
         self.o_proj = Linear(s.num_heads * s.v_head_dim, s.hidden_size, bias=s.attention_bias,
                              dtype=dtype, method=method_for(f"{prefix}.o_proj"))
-
-    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, N, R] and W_UV [H, V, R]: views of kv_b_proj's rows, head by head."""
-        s = self.shape
-        w = self.kv_b_proj.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim,
-                                       s.kv_lora_rank)
-        return w[:, :s.qk_nope_head_dim], w[:, s.qk_nope_head_dim:]
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.shape.q_lora_rank is None:
@@ -225,7 +234,7 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv = self.kv_a_layernorm(c_kv)
         q_pe = rope.rotate(q_pe, positions)
         k_pe = rope.rotate(k_pe.unsqueeze(1), positions)  # [T, 1, P]
-        w_uk, w_uv = self.absorbed_weights()
+        w_uk, w_uv = self.kv_b_proj.per_head()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
         query = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, R + P]
         kv = torch.cat((c_kv.unsqueeze(1), k_pe), dim=-1)  # [T, 1, R + P]
