@@ -17,6 +17,8 @@ V of one width); the GQA twin runs kiln's C++ kernels (and the fused stack where
 
 usage: python benchmarks/mla.py [--dir /tmp/kiln-mla-bench] [--reps 3] [--threads 2]
        [--prompt-len 512] [--tiny] [--out benchmarks/results/mla.json]
+       python benchmarks/mla.py --footprint PATH/config.json [--dtype bfloat16]
+       (--footprint: any DeepSeek-V3 config's KV bytes per token, MLA against plain attention)
 """
 
 from __future__ import annotations
@@ -136,6 +138,20 @@ def run_measure(name: str, args) -> list[dict]:
     return rows
 
 
+def print_footprint(config_path: str, dtype_name: str) -> None:
+    import torch
+
+    from kiln.models.deepseek_v3 import DeepseekV3Arch, kv_footprint
+
+    cfg = json.loads(Path(config_path).read_text())
+    f = kv_footprint(DeepseekV3Arch.from_hf(cfg, "DeepseekV3ForCausalLM"),
+                     getattr(torch, dtype_name))
+    print(json.dumps(dict(test="kv_footprint", config=config_path, dtype=dtype_name,
+                          mla_bytes_per_token=f.mla_bytes_per_token,
+                          plain_attention_bytes_per_token=f.plain_bytes_per_token,
+                          ratio=round(f.ratio, 1))))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default="/tmp/kiln-mla-bench", help="checkpoints (made if absent)")
@@ -144,8 +160,13 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--tiny", action="store_true", help="a toy shape, to check the script")
     p.add_argument("--out", help="write every row as JSON here")
+    p.add_argument("--footprint", metavar="CONFIG", help="only print this config's KV bytes")
+    p.add_argument("--dtype", default="bfloat16", help="the cache dtype for --footprint")
     p.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one model, fresh process
     args = p.parse_args()
+    if args.footprint:
+        print_footprint(args.footprint, args.dtype)
+        return
     root = Path(args.dir)
     if args.measure:
         prompts = json.loads((root / "prompts.json").read_text())

@@ -193,6 +193,8 @@ class ModelRunner:
         if self.leader is not None:
             self.leader.send(AllocateKV(num_blocks))
         s = self.kv_spec
+        log.info("KV cache: %d blocks of %d tokens, %s, %d bytes per token", num_blocks,
+                 s.block_size, s.holds.value, s.bytes_per_block // s.block_size)
         self.graphs, self.pool_blocks = None, num_blocks  # graphs hold the old caches
         shape = ((num_blocks + self.use_graphs) * s.block_size, s.num_kv_heads, s.head_dim)
         self.kv_caches = []
