@@ -118,6 +118,21 @@ def test_a_sparse_layer_fails_at_load_naming_first_k_dense_replace(tmp_path):
     assert err.value.field == "first_k_dense_replace"
 
 
+@pytest.mark.parametrize("field, value", [("hidden_act", "gelu"), ("index_topk", 2048)])
+def test_an_unsupported_variant_fails_at_load_naming_the_field(deepseek_ckpt, tmp_path, field,
+                                                               value):
+    import json
+    import shutil
+
+    path = tmp_path / "variant"
+    shutil.copytree(deepseek_ckpt("plain"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(UnsupportedVariant, match=field) as err:
+        LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, num_threads=1)
+    assert err.value.field == field
+
+
 def test_teacher_forcing_scores_like_hf(deepseek_ckpt):
     """kiln.runner.scoring (quantization's KL probe) over MLA: its scratch cache takes the
     model's latent layout, and its log-probabilities match HF's."""

@@ -47,6 +47,7 @@ class DeepseekV3Arch:
 
     @classmethod
     def from_hf(cls, cfg: dict, arch: str) -> DeepseekV3Arch:
+        check_variant(cfg)
         mla = MlaShape.from_hf(cfg)
         return cls(
             hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
@@ -69,6 +70,18 @@ class DeepseekV3Arch:
     @property
     def head_dim(self) -> int:
         return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+
+
+def check_variant(cfg: dict) -> None:
+    """Raise UnsupportedVariant naming a config entry kiln's DeepSeek-V3 would compute wrong:
+    another activation, or DeepSeek sparse attention's indexer (V3.2's `index_*` fields)."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedVariant("hidden_act", f"{cfg['hidden_act']!r}; kiln's DeepSeek-V3 "
+                                 f"runs 'silu'")
+    for field in cfg:
+        if field.startswith("index_"):
+            raise UnsupportedVariant(field, "DeepSeek sparse attention's indexer is not "
+                                     "supported; kiln runs dense multi-head latent attention")
 
 
 @dataclass(frozen=True)
