@@ -85,10 +85,15 @@ class KVLayout(msgspec.Struct, frozen=True, array_like=True):
     block_size: int
     num_kv_heads: int
     head_dim: int
+    # what a layer's cache holds (kiln.models.layers.kv_layout.CacheHolds): "key_value", K
+    # and V per KV head; "mla_latent", one row of MLA's latent and rope key (1 head)
+    holds: str = "key_value"
 
     def shape(self, num_blocks: int) -> list[int]:
-        """[layers, 2 (K, V), num_blocks * block_size, kv heads, head dim]"""
-        return [self.num_layers, 2, num_blocks * self.block_size, self.num_kv_heads,
+        """[layers, tensors per layer (2: K, V; 1: MLA latent), num_blocks * block_size,
+        heads, head dim]"""
+        per_layer = 2 if self.holds == "key_value" else 1
+        return [self.num_layers, per_layer, num_blocks * self.block_size, self.num_kv_heads,
                 self.head_dim]
 
 

@@ -35,7 +35,7 @@ log = logging.getLogger("kiln.worker")
 def engine_layout(engine: EngineCore) -> KVLayout:
     spec = engine.runner.kv_spec
     return KVLayout(kv_io.DTYPE_NAMES[spec.dtype], spec.num_layers, spec.block_size,
-                    spec.num_kv_heads, spec.head_dim)
+                    spec.num_kv_heads, spec.head_dim, spec.holds.value)
 
 
 class WorkerKV:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kiln.models.deepseek_v3 import DeepseekV3Arch, DeepseekV3ForCausalLM
 from kiln.models.glm4_moe import Glm4MoeArch, Glm4MoeForCausalLM
 from kiln.models.llama import LlamaArch, LlamaForCausalLM
 from kiln.models.mixtral import MixtralArch, MixtralForCausalLM
@@ -17,6 +18,7 @@ _MODELS = {
     "Qwen2MoeForCausalLM": (QwenMoeForCausalLM, QwenMoeArch.from_hf),
     "Qwen3MoeForCausalLM": (QwenMoeForCausalLM, QwenMoeArch.from_hf),
     "Glm4MoeForCausalLM": (Glm4MoeForCausalLM, Glm4MoeArch.from_hf),
+    "DeepseekV3ForCausalLM": (DeepseekV3ForCausalLM, DeepseekV3Arch.from_hf),
 }
 
 

@@ -6,6 +6,11 @@ to its slot first (so a sequence that shares prefix blocks with another schedule
 step reads them in the same layer), then each query token attends to the keys of its own
 sequence at positions <= its own.
 
+A model with multi-head latent attention (kiln.models.layers.mla) keeps one tensor per layer,
+[num_slots, 1, R + P] (its latent and rope key), and calls `forward_latent`: multi-query
+attention whose values are the first R columns of the keys. Both backends run it through the
+torch path below (the C++ kernels take K and V of one width, from two contiguous tensors).
+
 The reference backend pads the flat batch into [num_seqs, max_query_len] queries against
 [num_seqs, max_seq_len] gathered keys with a boolean mask: correct for any mix of prefill
 chunks, decodes and draft tokens, and a few large tensor ops per layer rather than a Python
@@ -124,6 +129,36 @@ class TorchPagedAttention:
         v_cache.index_copy_(0, meta.slot_mapping, v)
         return padded_attention(q, kv_cache, meta.padded, scale)
 
+    def forward_latent(self, q, kv, kv_cache, meta: TorchAttentionMetadata, scale: float,
+                       value_dim: int):
+        cache = _write_latent(kv, kv_cache, meta.slot_mapping)
+        return padded_latent_attention(q, cache, meta.padded, scale, value_dim)
+
+
+def _write_latent(kv: torch.Tensor, kv_cache: tuple[torch.Tensor],
+                  slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Write an MLA layer's [T, 1, R + P] rows to its one cache tensor; returns that tensor."""
+    (cache,) = kv_cache
+    cache.index_copy_(0, slot_mapping, kv)
+    return cache
+
+
+def padded_latent_attention(q: torch.Tensor, cache: torch.Tensor, meta: PaddedLayout,
+                            scale: float, value_dim: int) -> torch.Tensor:
+    """MLA's attention over its one shared head: q [T, H, R + P] against the gathered rows of
+    `cache` as keys and their first `value_dim` columns as values -> [tokens of meta's
+    sequences, H * value_dim] in flat order. Each (query, head) pair is a query row of that
+    one head, so keys are gathered once, not repeated per head as GQA's SDPA would."""
+    heads = q.shape[1]
+    qp = q[meta.query_index]  # [S, Qmax, H, R + P]
+    num_seqs, q_max = qp.shape[:2]
+    qp = qp.reshape(num_seqs, 1, q_max * heads, -1)  # row i * H + h: query i, head h
+    kp = cache[meta.key_slots].transpose(1, 2)  # [S, 1, Kmax, R + P]
+    mask = meta.mask.repeat_interleave(heads, dim=2)  # [S, 1, Qmax * H, Kmax]
+    out = F.scaled_dot_product_attention(qp, kp, kp[..., :value_dim], attn_mask=mask,
+                                         scale=scale)  # [S, 1, Qmax * H, R]
+    return out.reshape(num_seqs * q_max, heads * value_dim)[meta.output_index]
+
 
 @dataclass
 class LongQuery:
@@ -143,11 +178,17 @@ class CpuAttentionMetadata:
     long: SeqLayout | None  # sequences with long prefill chunks
     num_tokens: int
     long_chunks: list[LongQuery] | None = None  # `long` one chunk at a time, for SDPA
+    short_padded: PaddedLayout | None = None  # `short` for the torch path (MLA layers)
 
     def long_queries(self) -> list[LongQuery]:
         if self.long_chunks is None:  # built once per step, shared by every layer
             self.long_chunks = long_queries(self.long, self.block_size)
         return self.long_chunks
+
+    def short_padded_layout(self) -> PaddedLayout:
+        if self.short_padded is None:  # built once per step, shared by every layer
+            self.short_padded = build_padded_layout(self.short, self.block_size)
+        return self.short_padded
 
 
 def long_queries(layout: SeqLayout, block_size: int) -> list[LongQuery]:
@@ -236,6 +277,22 @@ class CpuPagedAttention:
         else:
             for item in meta.long_queries():
                 out[item.start:item.start + item.n] = causal_attention(q, kv_cache, item, scale)
+        return out
+
+    def forward_latent(self, q, kv, kv_cache, meta: CpuAttentionMetadata, scale: float,
+                       value_dim: int):
+        """MLA through torch (the C++ kernels need K and V of one width): short queries
+        padded as the reference backend does, long chunks one SDPA call each."""
+        cache = _write_latent(kv, kv_cache, meta.slot_mapping)
+        out = torch.empty(meta.num_tokens, q.shape[1] * value_dim, dtype=q.dtype,
+                          device=q.device)
+        if meta.short is not None:
+            padded = meta.short_padded_layout()
+            rows = padded.query_index.flatten()[padded.output_index]
+            out[rows] = padded_latent_attention(q, cache, padded, scale, value_dim)
+        keys_values = (cache, cache[..., :value_dim])
+        for item in meta.long_queries() if meta.long is not None else ():
+            out[item.start:item.start + item.n] = causal_attention(q, keys_values, item, scale)
         return out
 
 

@@ -21,6 +21,7 @@ from kiln.distributed.communicator import RankFailure
 from kiln.distributed.launch import RankGroup, default_threads_per_rank
 from kiln.engine.contract import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kiln.models.layers.attention import AttentionMetadata
+from kiln.models.layers.kv_layout import CacheHolds, CacheLayout, model_cache_layout
 from kiln.models.layers.linear import get_linear_method, use_kernels
 from kiln.models.layers.ops import ops_for
 from kiln.models.layers.parallel import (
@@ -46,16 +47,23 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KVCacheSpec:
+    """Every layer's cache: `layout.num_tensors` tensors [slots, num_kv_heads, head_dim]
+    (K and V; one latent tensor for MLA: kiln.models.layers.kv_layout)."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     block_size: int
+    holds: CacheHolds = CacheHolds.KEY_VALUE
+
+    @property
+    def layout(self) -> CacheLayout:
+        return CacheLayout(self.holds, self.num_kv_heads, self.head_dim)
 
     @property
     def bytes_per_block(self) -> int:
-        elem = self.dtype.itemsize
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.block_size * self.layout.bytes_per_token(self.num_layers, self.dtype)
 
 
 def num_kv_blocks(spec: KVCacheSpec, cache: CacheConfig, max_model_len: int,
@@ -126,10 +134,11 @@ class ModelRunner:
         self.stack = self._stack_weights() if ranks is None else None
         arch = self.model.arch
         self.vocab_size = arch.vocab_size
-        self.kv_spec = KVCacheSpec(arch.num_layers, tp.heads(arch.num_heads,
-                                                             arch.num_kv_heads).kv,
-                                   arch.head_dim, self.dtype, cache.block_size)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        layout = model_cache_layout(self.model, tp.heads(arch.num_heads, arch.num_kv_heads).kv,
+                                    arch.head_dim)
+        self.kv_spec = KVCacheSpec(arch.num_layers, layout.num_heads, layout.head_dim,
+                                   self.dtype, cache.block_size, layout.holds)
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []  # per layer: (K, V) or (latent,)
         self.sampler = Sampler(arch.vocab_size, eos_token_ids, model_config.seed, self.device)
         self._generators: dict[str, torch.Generator] = {}
         self.keep_hidden = False  # set by kiln.speculative proposers that read hidden states
@@ -177,22 +186,25 @@ class ModelRunner:
         return stack
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate K and V for every layer once: [num_blocks * block_size, Hkv, D] each.
+        """Allocate every layer's cache once: K and V, [num_blocks * block_size, Hkv, D]
+        each (one latent tensor for MLA: kv_spec.layout).
         Left uninitialized, so the OS maps pages only as blocks are first written; attention
         reads only written slots, except padded lanes of the reference path, which read slot 0
         (masked out, but 0 x NaN would still be NaN): so block 0 is zeroed."""
         if self.leader is not None:
             self.leader.send(AllocateKV(num_blocks))
         s = self.kv_spec
+        log.info("KV cache: %d blocks of %d tokens, %s, %d bytes per token", num_blocks,
+                 s.block_size, s.holds.value, s.bytes_per_block // s.block_size)
         self.graphs, self.pool_blocks = None, num_blocks  # graphs hold the old caches
         shape = ((num_blocks + self.use_graphs) * s.block_size, s.num_kv_heads, s.head_dim)
         self.kv_caches = []
         for _ in range(s.num_layers):
-            k = torch.empty(shape, dtype=s.dtype, device=self.device)
-            v = torch.empty(shape, dtype=s.dtype, device=self.device)
-            k[:s.block_size].zero_()
-            v[:s.block_size].zero_()
-            self.kv_caches.append((k, v))
+            tensors = tuple(torch.empty(shape, dtype=s.dtype, device=self.device)
+                            for _ in range(s.layout.num_tensors))
+            for t in tensors:
+                t[:s.block_size].zero_()
+            self.kv_caches.append(tensors)
 
     def device_memory(self, max_num_batched_tokens: int, max_num_seqs: int
                       ) -> DeviceMemory | None:
@@ -354,9 +366,8 @@ class ModelRunner:
         if self.platform.kernels is KernelSet.CPP:  # one call for every layer
             torch.ops.kiln.move_slots([c for kv in self.kv_caches for c in kv], src, dst)
         else:
-            for k, v in self.kv_caches:
-                k[dst] = k[src]
-                v[dst] = v[src]
+            for cache in (t for layer in self.kv_caches for t in layer):
+                cache[dst] = cache[src]
 
     def _plan(self, scheduled: list[ScheduledRequest], rows: list[LogitsRows]) -> SamplePlan:
         """The step's sampling rows: a request with drafts has 1 + k of them."""

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kiln.models.layers.attention import SeqLayout
+from kiln.models.layers.kv_layout import model_cache_layout
 
 BlockOutput = object  # whatever a decoder block returns (a tensor, or a tuple of tensors)
 
@@ -117,12 +118,13 @@ class TeacherForcer:
         meta = self.backend.build_metadata(layout, positions, self.block_size)
         return ForcedStep(windows, positions, meta)
 
-    def _scratch_cache(self, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _scratch_cache(self, slots: int) -> list[tuple[torch.Tensor, ...]]:
         arch = self.model.arch
         like = self.model.model.embed_tokens.weight  # the model's dtype and device
-        shape = (slots, arch.num_kv_heads, arch.head_dim)
-        return [(torch.zeros(shape, dtype=like.dtype, device=like.device),
-                 torch.zeros(shape, dtype=like.dtype, device=like.device))
+        layout = model_cache_layout(self.model, arch.num_kv_heads, arch.head_dim)
+        shape = (slots, layout.num_heads, layout.head_dim)
+        return [tuple(torch.zeros(shape, dtype=like.dtype, device=like.device)
+                      for _ in range(layout.num_tensors))
                 for _ in range(arch.num_layers)]
 
 
