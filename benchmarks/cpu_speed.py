@@ -27,9 +27,10 @@ SHARED = ROOT.parent / "shared" / "peers"
 MODEL = Path(os.environ.get("KILN_HOME", Path.home() / ".cache" / "kiln")) / "models" / \
     "SmolLM2-135M-Instruct"
 PROMPTS = PEERS / "prompts" / "SmolLM2-135M-Instruct.json"
-# one OpenMP thread pinned per core, as `kiln serve` does for a worker that takes every core
-# (and as vllm-bound does for vLLM)
+# one OpenMP thread pinned per core (as vllm-bound does for vLLM); `kiln-unbound` leaves the
+# threads to the OS scheduler, as `kiln serve` does for its worker (decision 0012)
 KILN_BIND = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
+KILN_UNBOUND = {"OMP_PROC_BIND": "false"}
 
 
 def peer_commands(args) -> dict[str, tuple[list[str], dict]]:
@@ -44,6 +45,8 @@ def peer_commands(args) -> dict[str, tuple[list[str], dict]]:
     cmds = {
         "kiln": ([py, str(ROOT / "benchmarks/peers/bench_kiln.py"), str(MODEL), str(PROMPTS),
                   reps, threads], KILN_BIND),
+        "kiln-unbound": ([py, str(ROOT / "benchmarks/peers/bench_kiln.py"), str(MODEL),
+                          str(PROMPTS), reps, threads], KILN_UNBOUND),
         "hf": ([py, str(SHARED / "bench_hf.py"), str(MODEL), "bf16", reps, "1"],
                {"THREADS": threads}),
         "llama.cpp-bf16": ([llama_py, str(SHARED / "bench_llamacpp.py"),
