@@ -281,6 +281,11 @@ def experts_elsewhere(model: torch.nn.Module) -> tuple[str, ...]:
                  for prefix in module.elsewhere())
 
 
+def model_expert_load(model: torch.nn.Module) -> ExpertLoad | None:
+    """The expert load a model's sparse blocks counted (None: a dense model)."""
+    return collect_expert_load([m for m in model.modules() if hasattr(m, "expert_tokens")])
+
+
 def collect_expert_load(blocks: Sequence) -> ExpertLoad | None:
     """The load counted by a model's sparse blocks (kiln.models.layers.moe.SparseMoeBlock,
     each with `layer`, `expert_tokens` and `rank_tokens`); None for a model without any. Reads
