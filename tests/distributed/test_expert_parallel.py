@@ -91,3 +91,35 @@ def test_bad_splits_fail_at_start_naming_the_numbers(tmp_path, overrides, settin
     path = make_tiny_moe(tmp_path, "qwen3_moe", **overrides)
     with pytest.raises(ValueError, match=message):
         LLM(path, **SETTINGS, tensor_parallel_size=2, **settings)
+
+
+def test_expert_load_in_metrics_of_an_expert_parallel_server(reference, tmp_path):
+    """`kiln serve --tensor-parallel-size 2 --enable-expert-parallel`: after one completion
+    /metrics holds every routed pair (prompt tokens + the decode steps' tokens, times k = 2)
+    per layer, per expert and per rank, with the imbalance figures."""
+    from tests.cluster.conftest import wait_for
+    from tests.serve.conftest import start_server
+
+    path = reference("qwen3_moe")[0]
+    server = start_server(path, tmp_path, "--tensor-parallel-size", "2",
+                          "--enable-expert-parallel", "--served-model-name", "m", wait=False)
+    try:
+        server.wait_health(200, timeout=180)  # three processes start on shared cores
+        out = server.openai().completions.create(model="m", prompt="The quick brown fox",
+                                                 max_tokens=4, temperature=0)
+        computed = out.usage.prompt_tokens + out.usage.completion_tokens - 1  # last not fed
+        layers = ("0", "1")
+
+        def routed(kind: str, layer: str) -> float:
+            return sum(v for k, v in server.metrics().items() if k.startswith(
+                f"kiln:moe_{kind}_tokens_total{{") and f'layer="{layer}"' in k)
+
+        wait_for(lambda: all(routed("expert", layer) == 2 * computed for layer in layers), 30,
+                 server, "the expert load of one completion in /metrics")
+        metrics = server.metrics()
+        assert all(routed("rank", layer) == 2 * computed for layer in layers)
+        for layer in layers:
+            assert metrics[f'kiln:moe_expert_imbalance{{layer="{layer}"}}'] >= 1.0
+            assert 1.0 <= metrics[f'kiln:moe_rank_imbalance{{layer="{layer}"}}'] <= 2.0
+    finally:
+        server.stop()

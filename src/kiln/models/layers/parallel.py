@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +31,6 @@ from torch import nn
 
 from kiln.distributed.communicator import Communicator
 from kiln.models.layers.linear import Linear, LinearMethod, StackTensors
-
-if TYPE_CHECKING:
-    from kiln.models.layers.expert_parallel import ExpertParallelOptions
 
 
 @dataclass(frozen=True)
@@ -57,10 +53,11 @@ class HeadSplit:
 class TensorParallel:
     """A model's place among T ranks; `SINGLE` is the one-process model."""
 
-    def __init__(self, comm: Communicator | None, experts: ExpertParallelOptions | None = None):
+    def __init__(self, comm: Communicator | None, experts: object | None = None):
         self.comm = comm
-        # how MoE layers place their experts (kiln.models.layers.expert_parallel); None: each
-        # expert split by columns, as the dense MLP
+        # how MoE layers place their experts: an ExpertParallelOptions (typed `object` here,
+        # since kiln.models.layers.expert_parallel imports this module); None: each expert
+        # split by columns, as the dense MLP
         self.experts = experts
         self.rank = comm.rank if comm is not None else 0
         self.size = comm.world_size if comm is not None else 1
