@@ -46,6 +46,7 @@ def run_two_ranks(path: str, **settings):
     ("qwen3_moe", False), ("qwen3_moe", True),
     ("mixtral", False), ("mixtral", True),
     ("glm4_moe", True),  # shared experts split by columns beside whole routed experts
+    ("qwen2_moe", False),  # a gated shared expert; layer 1 a dense MLP
 ])
 def test_two_ranks_match_one_process(reference, family, expert_parallel):
     path, expected, one_load = reference(family)
