@@ -125,6 +125,17 @@ class ParallelConfig:
     dist_timeout_s: float = field(default=60.0, metadata=doc(
         "seconds a collective between ranks may wait before the engine fails (a dead rank "
         "fails it at once)"))
+    # mixture-of-experts models over the ranks (kiln.models.layers.expert_parallel,
+    # docs/moe.md "Expert parallelism"): experts split by columns (default) or placed whole
+    enable_expert_parallel: bool = field(default=False, metadata=doc(
+        "place whole experts on the tensor-parallel ranks (expert parallelism) instead of "
+        "splitting every expert's columns over them; attention stays tensor-parallel"))
+    num_redundant_experts: int = field(default=0, metadata=doc(
+        "with expert parallelism: extra copies of the hottest experts of each MoE layer, "
+        "placed on the least-loaded ranks (their tokens split between the copies)"))
+    expert_load_file: str | None = field(default=None, metadata=doc(
+        "JSON of measured tokens per expert (LLM.expert_load().save) that expert placement "
+        "and redundant copies follow", none_means="every expert equally loaded"))
 
     def __post_init__(self):
         check_choices(self)
@@ -135,6 +146,12 @@ class ParallelConfig:
                              f"{self.tensor_parallel_size}")
         if self.dist_timeout_s <= 0:
             raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, got "
+                             f"{self.num_redundant_experts}")
+        if self.num_redundant_experts and not self.enable_expert_parallel:
+            raise ValueError(f"num_redundant_experts {self.num_redundant_experts} needs "
+                             f"enable_expert_parallel (copies of whole experts on ranks)")
 
 
 @dataclass(frozen=True)

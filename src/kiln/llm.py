@@ -18,6 +18,7 @@ from kiln.config_speculative import SpeculativeConfig
 from kiln.engine.contract import TokenLogprobs
 from kiln.engine.core import RequestError
 from kiln.engine.output_processor import OutputSequence, RequestState
+from kiln.models.layers.expert_parallel import ExpertLoad, model_expert_load
 from kiln.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from kiln.sampling_params import SamplingParams
 from kiln.speculative.resolve import resolve_speculative_config
@@ -60,6 +61,12 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def expert_load(self) -> ExpertLoad | None:
+        """Tokens routed to each expert of each MoE layer since the engine started, with the
+        imbalance figures (None: a dense model). `.save(path)` writes the file that
+        `expert_load_file` reads to place experts (docs/moe.md, "Expert parallelism")."""
+        return model_expert_load(self.engine.runner.model)
 
     def close(self) -> None:
         """Stop the engine's other ranks (tensor_parallel_size > 1; they also stop when this

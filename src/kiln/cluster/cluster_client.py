@@ -185,6 +185,8 @@ class ClusterClient:
                                                f"{message.reason}")
 
     def _on_stats(self, handle: WorkerHandle, stats: WorkerStats) -> None:
+        if stats.expert_load is None:  # step stats: keep the last heartbeat's expert load
+            stats.expert_load = handle.stats.expert_load
         handle.stats = stats
         self._send(self.placement.on_kv_seq(handle.worker_id, stats.kv_event_seq,
                                             time.monotonic()))

@@ -41,6 +41,15 @@ from kiln.engine.limits import EngineLimits
 from kiln.engine.prefix_cache import KVEvent
 
 
+class ExpertLoadStats(msgspec.Struct, array_like=True):
+    """Routed (token, expert) pairs per expert of each MoE layer since the worker started
+    (kiln.models.layers.expert_parallel.ExpertLoad); sent with heartbeats only."""
+
+    layers: list[int]  # decoder layer index of each MoE layer
+    tokens: list[list[int]]  # [L][E]
+    rank_tokens: list[list[int]] | None = None  # [L][T] pairs each rank computed (EP only)
+
+
 class WorkerStats(msgspec.Struct, kw_only=True, array_like=True):
     """Engine state after a step; counters are cumulative since the worker started."""
 
@@ -59,6 +68,7 @@ class WorkerStats(msgspec.Struct, kw_only=True, array_like=True):
     kv_transfers_failed: int = 0  # pulls that failed, timed out or were invalid: recomputed
     kv_transfer_bytes: int = 0  # payload bytes imported
     kv_transfer_seconds: float = 0.0  # pull request -> blocks imported, summed
+    expert_load: ExpertLoadStats | None = None  # MoE models, in heartbeats (None: not sent)
 
 
 # -- gateway -> worker ----------------------------------------------------------------------

@@ -59,6 +59,7 @@ from kiln.cluster.messages import (
     WorkerStats,
     worker_identity,
 )
+from kiln.cluster.stats import expert_load_stats
 from kiln.cluster.worker_kv import WorkerKV
 from kiln.config import WorkerConfig
 from kiln.engine.core import EngineCore, EngineRequest
@@ -116,7 +117,7 @@ class Worker:
             self.kv.expire(time.monotonic())
             self.kv.publish_events()
         if time.monotonic() - self._last_beat >= self.config.heartbeat_interval_s:
-            self._send(Heartbeat(self.stats()))
+            self._send(Heartbeat(self.stats(with_expert_load=True)))
             self._last_beat = time.monotonic()
             self._check_parent()
 
@@ -226,7 +227,9 @@ class Worker:
             for done in self.kv.after_step(outputs):
                 self._send(done)
 
-    def stats(self) -> WorkerStats:
+    def stats(self, with_expert_load: bool = False) -> WorkerStats:
+        """The step's figures; `with_expert_load`: also the MoE layers' expert counters (a
+        device read, so heartbeats only)."""
         kv, sched = self.engine.kv.stats(), self.engine.scheduler
         stats = WorkerStats(
             num_running=sched.num_running, num_waiting=sched.num_waiting,
@@ -234,6 +237,8 @@ class Worker:
             kv_blocks_used=kv.used_blocks, kv_blocks_cached=kv.cached_blocks,
             prefix_query_tokens=kv.query_tokens, prefix_hit_tokens=kv.hit_tokens,
             num_steps=self._num_steps)
+        if with_expert_load:
+            stats.expert_load = expert_load_stats(self.engine.runner.model)
         if self.kv is not None:
             server = self.kv.server
             stats.kv_blocks_used -= server.num_blocks_held_only  # pinned, not used by requests

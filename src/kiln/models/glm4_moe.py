@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kiln.models.layers.expert_parallel import expert_shard, experts_elsewhere
 from kiln.models.layers.moe import (
     MoeShape,
     SparseMoeBlock,
@@ -124,15 +125,17 @@ class PartialRotaryOps:
 class Glm4MoeDecoderLayer(LlamaDecoderLayer):
     """Llama's block whose `mlp` is the sparse block from `first_k_dense_replace` on."""
 
-    def __init__(self, a: Glm4MoeArch, index: int, method_for, dtype, backend, ops):
-        self.sparse = index >= a.first_sparse_layer
-        super().__init__(a, f"model.layers.{index}", method_for, dtype, backend, ops)
+    def __init__(self, a: Glm4MoeArch, index: int, method_for, dtype, backend, ops, tp):
+        self.sparse, self.index = index >= a.first_sparse_layer, index
+        super().__init__(a, f"model.layers.{index}", method_for, dtype, backend, ops, tp)
 
-    def add_feed_forward(self, a: Glm4MoeArch, prefix, method_for, dtype, ops, tp=None) -> None:
+    def add_feed_forward(self, a: Glm4MoeArch, prefix, method_for, dtype, ops, tp) -> None:
         if self.sparse:
-            self.mlp = SparseMoeBlock(a.moe, f"{prefix}.mlp", method_for, dtype, ops)
+            shard = expert_shard(tp, self.index, a.moe.router.num_experts)
+            self.mlp = SparseMoeBlock(a.moe, f"{prefix}.mlp", method_for, dtype, ops, shard,
+                                      self.index)
         else:
-            self.mlp = LlamaMLP(a, f"{prefix}.mlp", method_for, dtype, ops)
+            self.mlp = LlamaMLP(a, f"{prefix}.mlp", method_for, dtype, ops, tp)
 
     def dense_mlp(self) -> None:
         # even a dense layer is off the fused C++ stack: the stack rotates whole heads
@@ -140,11 +143,13 @@ class Glm4MoeDecoderLayer(LlamaDecoderLayer):
 
 
 class Glm4MoeForCausalLM(LlamaForCausalLM):
+    tensor_parallel_layers = True  # attention split by heads, experts by expert_shard
     def __init__(self, a: Glm4MoeArch, *args, **kwargs):
         super().__init__(a, *args, **kwargs)
         first_mtp = a.num_layers  # MTP layers follow the decoder's in the checkpoint
         self.unused_checkpoint_prefixes = tuple(
-            f"model.layers.{i}." for i in range(first_mtp, first_mtp + a.mtp_layers))
+            f"model.layers.{i}." for i in range(first_mtp, first_mtp + a.mtp_layers)
+        ) + experts_elsewhere(self)
 
     def make_rotary(self, a: Glm4MoeArch, dtype: torch.dtype) -> RotaryEmbedding:
         return RotaryEmbedding(a.rotary_dim, a.max_position_embeddings, a.rope_theta,
@@ -153,4 +158,4 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
     def layer_maker(self, a: Glm4MoeArch, method_for, dtype, backend, ops):
         if a.rotary_dim < a.head_dim:
             ops = PartialRotaryOps(ops, a.rotary_dim)
-        return lambda i: Glm4MoeDecoderLayer(a, i, method_for, dtype, backend, ops)
+        return lambda i: Glm4MoeDecoderLayer(a, i, method_for, dtype, backend, ops, self.tp)

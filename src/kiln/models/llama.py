@@ -186,6 +186,9 @@ class LlamaForCausalLM(nn.Module):
     (with tensor parallelism: on rank 0; None on the others)."""
 
     packed_modules = PACKED_MODULES
+    # whether a family's own layers (layer_maker) split over tensor-parallel ranks (the MoE
+    # families: kiln.models.layers.expert_parallel)
+    tensor_parallel_layers = False
 
     def __init__(self, a: LlamaArch, dtype: torch.dtype, backend: AttentionBackend,
                  method_for: MethodFor = lambda prefix: None, ops: TorchOps | None = None,
@@ -194,9 +197,9 @@ class LlamaForCausalLM(nn.Module):
         self.arch, self.tp = a, tp
         self.ops = ops or TorchOps()
         make_layer = self.layer_maker(a, method_for, dtype, backend, self.ops)
-        if make_layer is not None and tp.size > 1:
+        if make_layer is not None and tp.size > 1 and not self.tensor_parallel_layers:
             raise ValueError(f"tensor_parallel_size {tp.size}: {type(self).__name__} runs in one "
-                             f"process only (its experts are not sharded yet); use 1")
+                             f"process only (its layers do not split over ranks); use 1")
         self.model = LlamaModel(a, method_for, dtype, backend, self.ops, tp, make_layer)
         self.rotary = self.make_rotary(a, dtype)
         # with tied embeddings the loader fills lm_head from embed_tokens (packed separately),

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kiln.models.layers.expert_parallel import expert_shard, experts_elsewhere
 from kiln.models.layers.moe import (
     MoeShape,
     RouterSpec,
@@ -48,9 +49,14 @@ class MixtralArch(LlamaArch):
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
-    def add_feed_forward(self, a: MixtralArch, prefix, method_for, dtype, ops, tp=None) -> None:
+    def __init__(self, a: MixtralArch, index: int, method_for, dtype, backend, ops, tp):
+        self.index = index
+        super().__init__(a, f"model.layers.{index}", method_for, dtype, backend, ops, tp)
+
+    def add_feed_forward(self, a: MixtralArch, prefix, method_for, dtype, ops, tp) -> None:
+        shard = expert_shard(tp, self.index, a.moe.router.num_experts)
         self.block_sparse_moe = SparseMoeBlock(a.moe, f"{prefix}.block_sparse_moe", method_for,
-                                               dtype, ops)
+                                               dtype, ops, shard, self.index)
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.block_sparse_moe(h)
@@ -60,8 +66,12 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
+    tensor_parallel_layers = True  # attention split by heads, experts by expert_shard
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.unused_checkpoint_prefixes = experts_elsewhere(self)  # expert parallelism
     packed_modules = MIXTRAL_PACKED_MODULES
 
     def layer_maker(self, a, method_for, dtype, backend, ops):
-        return lambda i: MixtralDecoderLayer(a, f"model.layers.{i}", method_for, dtype, backend,
-                                             ops)
+        return lambda i: MixtralDecoderLayer(a, i, method_for, dtype, backend, ops, self.tp)

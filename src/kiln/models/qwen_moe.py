@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from kiln.models.layers.expert_parallel import expert_shard, experts_elsewhere
 from kiln.models.layers.moe import (
     MoeShape,
     RouterSpec,
@@ -64,20 +65,27 @@ def _sparse_layers(cfg: dict, num_layers: int) -> frozenset[int]:
 class QwenMoeDecoderLayer(LlamaDecoderLayer):
     """A block whose `mlp` is the sparse block, or Llama's dense MLP in dense layers."""
 
-    def __init__(self, a: QwenMoeArch, index: int, method_for, dtype, backend, ops):
-        self.sparse = index in a.sparse_layers
-        super().__init__(a, f"model.layers.{index}", method_for, dtype, backend, ops)
+    def __init__(self, a: QwenMoeArch, index: int, method_for, dtype, backend, ops, tp):
+        self.sparse, self.index = index in a.sparse_layers, index
+        super().__init__(a, f"model.layers.{index}", method_for, dtype, backend, ops, tp)
 
-    def add_feed_forward(self, a: QwenMoeArch, prefix, method_for, dtype, ops, tp=None) -> None:
+    def add_feed_forward(self, a: QwenMoeArch, prefix, method_for, dtype, ops, tp) -> None:
         if self.sparse:
-            self.mlp = SparseMoeBlock(a.moe, f"{prefix}.mlp", method_for, dtype, ops)
+            shard = expert_shard(tp, self.index, a.moe.router.num_experts)
+            self.mlp = SparseMoeBlock(a.moe, f"{prefix}.mlp", method_for, dtype, ops, shard,
+                                      self.index)
         else:
-            self.mlp = LlamaMLP(a, f"{prefix}.mlp", method_for, dtype, ops)
+            self.mlp = LlamaMLP(a, f"{prefix}.mlp", method_for, dtype, ops, tp)
 
     def dense_mlp(self) -> LlamaMLP | None:
         return None if self.sparse else self.mlp
 
 
 class QwenMoeForCausalLM(LlamaForCausalLM):
+    tensor_parallel_layers = True  # attention split by heads, experts by expert_shard
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.unused_checkpoint_prefixes = experts_elsewhere(self)  # expert parallelism
     def layer_maker(self, a, method_for, dtype, backend, ops):
-        return lambda i: QwenMoeDecoderLayer(a, i, method_for, dtype, backend, ops)
+        return lambda i: QwenMoeDecoderLayer(a, i, method_for, dtype, backend, ops, self.tp)

@@ -21,6 +21,7 @@ from kiln.distributed.communicator import RankFailure
 from kiln.distributed.launch import RankGroup, default_threads_per_rank
 from kiln.engine.contract import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kiln.models.layers.attention import AttentionMetadata
+from kiln.models.layers.expert_parallel import ExpertParallelOptions, check_expert_parallel
 from kiln.models.layers.kv_layout import CacheHolds, CacheLayout, model_cache_layout
 from kiln.models.layers.linear import get_linear_method, use_kernels
 from kiln.models.layers.ops import ops_for
@@ -123,7 +124,8 @@ class ModelRunner:
         self.leader = self._start_ranks(model_config, model_path, cache, parallel, ranks)
         if self.leader is not None:
             ranks = self.leader.group
-        tp = SINGLE if ranks is None else TensorParallel(ranks.comm)
+        tp = SINGLE if ranks is None else TensorParallel(
+            ranks.comm, ExpertParallelOptions.from_parallel(parallel))
         loaded = load_model(model_path, self.dtype, self.backend, model_config.quantization,
                             self.platform.linear_backend, self.ops,
                             tp=None if ranks is None else tp)
@@ -167,6 +169,8 @@ class ModelRunner:
             check_row_shardable(get_linear_method(model_config.quantization))
         _, arch = resolve_architecture(read_hf_config(model_path))
         check_tensor_parallel(size, arch.num_heads, arch.num_kv_heads, arch.intermediate_size)
+        if getattr(arch, "moe", None) is not None:  # a MoE family's experts over the ranks
+            check_expert_parallel(arch.moe, size, ExpertParallelOptions.from_parallel(parallel))
         log.info("tensor parallel over %d ranks: decoder layers run one call each (the fused "
                  "stack has no collective)", size)
         return Leader.start(model_config, model_path, cache, parallel)

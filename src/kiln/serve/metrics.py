@@ -33,6 +33,11 @@ treats as a counter reset). Each server has its own registry (no process-global 
                                             a loop or a JSON limit, kiln.structured.json_limits)
   kiln:grammar_compile_seconds              grammar compiles (cache misses) checking requests
   kiln:http_errors_total{status}            error responses but /health's (and stream errors)
+  kiln:moe_expert_tokens_total{layer, expert}  routed (token, expert) pairs per expert of each
+                                            MoE layer (from the workers' heartbeats)
+  kiln:moe_expert_imbalance{layer}          max / mean of those per layer (1.0 = even)
+  kiln:moe_rank_tokens_total{layer, rank} / kiln:moe_rank_imbalance{layer}
+                                            the same per rank, under expert parallelism
 
 Cluster (kiln.cluster; per-worker series carry a `worker` label):
   kiln:router_decisions_total{worker}       requests (and legs) routed to each worker
@@ -67,6 +72,8 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.cluster.engine_client import EngineClient
+from kiln.cluster.messages import ExpertLoadStats
+from kiln.cluster.stats import max_over_mean
 from kiln.kernels.isa import cpu_isa
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -159,6 +166,8 @@ class EngineCollector(Collector):
         yield _counter("num_preemptions", "Sequences preempted", s.num_preemptions)
         yield _gauge("worker_ready", "1 while the worker is ready", int(c.ready))
         yield _counter("worker_restarts", "Worker restarts", getattr(c, "num_restarts", 0))
+        if s.expert_load is not None:
+            yield from expert_load_metrics(s.expert_load)
 
 
 class ClusterCollector(Collector):
@@ -209,6 +218,30 @@ class ClusterCollector(Collector):
             for h in c.worker_handles():
                 family.add_metric([h.worker_id], value(h))
             yield family
+
+
+def expert_load_metrics(load: ExpertLoadStats) -> Iterator[Metric]:
+    """Per-expert (and, under expert parallelism, per-rank) routed pairs of each MoE layer,
+    and their imbalance figures (max / mean)."""
+    yield from _load_families("expert", "expert", load.layers, load.tokens)
+    if load.rank_tokens is not None:
+        yield from _load_families("rank", "rank", load.layers, load.rank_tokens)
+
+
+def _load_families(what: str, label: str, layers: list[int],
+                   rows: list[list[int]]) -> Iterator[Metric]:
+    tokens = CounterMetricFamily(f"kiln:moe_{what}_tokens",
+                                 f"Routed (token, expert) pairs per {what} of each MoE layer",
+                                 labels=["layer", label])
+    imbalance = GaugeMetricFamily(f"kiln:moe_{what}_imbalance",
+                                  f"Max / mean routed pairs per {what} (1.0 = even)",
+                                  labels=["layer"])
+    for layer, counts in zip(layers, rows, strict=True):
+        for index, n in enumerate(counts):
+            tokens.add_metric([str(layer), str(index)], n)
+        imbalance.add_metric([str(layer)], max_over_mean(counts))
+    yield tokens
+    yield imbalance
 
 
 def _hit_histogram(k) -> HistogramMetricFamily:

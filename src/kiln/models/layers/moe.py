@@ -28,7 +28,10 @@ with their weights. A batch-1 decode step therefore reads only its k experts' we
 cost follows the active parameters, not the total.
 
 Experts stay one module each (`experts.{e}.gate_up_proj`, HF's per-expert checkpoint names),
-so expert parallelism can later place a subset of them per rank. `deepseek_moe_shape` reads
+so expert parallelism places a subset of them per rank (kiln.models.layers.expert_parallel:
+over T ranks a block holds every expert's share of the columns, or whole experts, and ends
+with one all-reduce). Every block counts the (token, expert) pairs it routes per expert
+(`expert_tokens`, a device tensor read only when asked: `collect_expert_load`). `deepseek_moe_shape` reads
 the DeepSeek-V3 / GLM-4.5 sparse block from their shared config fields; a config asking for a
 variant kiln does not run fails at load (`check_moe_fields`), never with wrong tokens.
 """
@@ -36,14 +39,16 @@ variant kiln does not run fails at load (`check_moe_fields`), never with wrong t
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.models.layers.expert_parallel import ExpertShard, split_expert_methods
 from kiln.models.layers.linear import Linear, LinearMethod
+from kiln.models.layers.parallel import SINGLE, TensorParallel
 
 MethodFor = Callable[[str], LinearMethod | None]  # module prefix -> weight format
 
@@ -177,33 +182,72 @@ def group_mask(choice: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
 
 
 class ExpertMLP(nn.Module):
-    """One expert, a SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up fused."""
+    """One expert, a SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up fused. With
+    `columns` (a TensorParallel), this rank's share of its columns: the output is a partial
+    sum the sparse block all-reduces."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, prefix: str,
-                 method_for: MethodFor, dtype: torch.dtype, ops):
+                 method_for: MethodFor, dtype: torch.dtype, ops,
+                 columns: TensorParallel | None = None):
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, dtype=dtype,
-                                   method=method_for(f"{prefix}.gate_up_proj"))
-        self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype,
-                                method=method_for(f"{prefix}.down_proj"))
+        width, gate_up, down = split_expert_methods(
+            columns, intermediate_size, method_for(f"{prefix}.gate_up_proj"),
+            method_for(f"{prefix}.down_proj"))
+        self.gate_up_proj = Linear(hidden_size, [width] * 2, dtype=dtype, method=gate_up)
+        self.down_proj = Linear(width, hidden_size, dtype=dtype, method=down)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
-class FusedExperts(nn.ModuleList):
-    """E experts (`self[e]`, HF's `experts.{e}`) applied to routed tokens: one sort, one GEMM
-    per active expert, one combine."""
+class FusedExperts(nn.Module):
+    """The experts this rank holds (`self[e]`, HF's `experts.{e}`; all E in one process)
+    applied to routed tokens: one sort, one GEMM per active expert, one combine."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, prefix: str,
-                 method_for: MethodFor, dtype: torch.dtype, ops):
-        super().__init__(
-            ExpertMLP(hidden_size, intermediate_size, f"{prefix}.{e}", method_for, dtype, ops)
-            for e in range(num_experts))
+                 method_for: MethodFor, dtype: torch.dtype, ops,
+                 shard: ExpertShard = ExpertShard(SINGLE)):
+        super().__init__()
+        self.prefix, self.num_experts = prefix, num_experts
+        columns = shard.expert_columns()
+        for e in shard.held_experts(num_experts):  # registered under HF's name, `{e}`
+            self.add_module(str(e), ExpertMLP(hidden_size, intermediate_size, f"{prefix}.{e}",
+                                              method_for, dtype, ops, columns))
+        self.shard = shard
+        # which rank computes each routed pair (expert parallelism only)
+        copies, copy_rank = (None, None) if shard.placement is None else \
+            shard.placement.copy_tables()
+        self.register_buffer("copies", copies, persistent=False)
+        self.register_buffer("copy_rank", copy_rank, persistent=False)
 
-    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """x [T, H] -> sum_j w_j * Expert_{ids_j}(x) [T, H] in x's dtype (fp32 combine)."""
+    def __getitem__(self, expert: int | str) -> ExpertMLP:
+        return self._modules[str(expert)]
+
+    def __iter__(self) -> Iterator[ExpertMLP]:
+        """The experts held here, by expert id."""
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def elsewhere(self) -> tuple[str, ...]:
+        """Checkpoint prefixes of the experts other ranks hold (the loader skips them)."""
+        return tuple(f"{self.prefix}.{e}." for e in range(self.num_experts)
+                     if str(e) not in self._modules)
+
+    def owners(self, experts: torch.Tensor) -> torch.Tensor:
+        """[T, k] rank computing each routed pair under expert parallelism: copy t mod c_e of
+        expert e's c_e copies computes token t's pair (a fixed rule: one rank's tokens)."""
+        token = torch.arange(experts.shape[0], device=experts.device).unsqueeze(1)
+        return self.copy_rank[experts, token % self.copies[experts]]
+
+    def forward(self, x: torch.Tensor, routing: Routing,
+                owners: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> sum_j w_j * Expert_{ids_j}(x) [T, H] in x's dtype (fp32 combine); with
+        `owners` (expert parallelism), over the pairs this rank owns only (a partial sum)."""
+        if owners is not None:
+            return self.forward_owned(x, routing, owners == self.shard.tp.rank)
         num_tokens, k = routing.experts.shape
         # (token, slot) pairs sorted by expert: each expert's rows form one contiguous run
         sorted_ids, order = routing.experts.flatten().sort(stable=True)
@@ -216,6 +260,22 @@ class FusedExperts(nn.ModuleList):
         unpermuted = torch.empty_like(out)
         unpermuted[order] = out  # back to (token, slot) order
         return combine(unpermuted.view(num_tokens, k, -1), routing.weights).to(x.dtype)
+
+    def forward_owned(self, x: torch.Tensor, routing: Routing,
+                      owned: torch.Tensor) -> torch.Tensor:
+        """The weighted sum over the routed pairs marked in `owned` [T, k] (zeros elsewhere):
+        the pairs gathered, sorted by expert, one GEMM per expert, added back per token."""
+        tokens, slots = owned.nonzero(as_tuple=True)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if tokens.numel():
+            sorted_ids, order = routing.experts[tokens, slots].sort(stable=True)
+            rows, weights = tokens[order], routing.weights[tokens, slots][order]
+            permuted, outs, start = x[rows], [], 0
+            for expert, count in active_runs(sorted_ids):
+                outs.append(self[expert](permuted[start:start + count]))
+                start += count
+            y.index_add_(0, rows, torch.cat(outs).float() * weights.unsqueeze(1))
+        return y.to(x.dtype)
 
 
 def active_runs(sorted_ids: torch.Tensor) -> Iterable[tuple[int, int]]:
@@ -259,38 +319,62 @@ class MoeShape:
 
 class SparseMoeBlock(nn.Module):
     """Router + routed experts (+ an optional, optionally gated, shared expert), HF's module
-    names: `gate`, `experts.{e}`, `shared_expert` (or `shared_experts`), `shared_expert_gate`."""
+    names: `gate`, `experts.{e}`, `shared_expert` (or `shared_experts`), `shared_expert_gate`.
+    `shard`: this rank's part (kiln.models.layers.expert_parallel; one process: everything).
+    `layer` is the decoder layer index the load counters report under."""
 
     def __init__(self, shape: MoeShape, prefix: str, method_for: MethodFor,
-                 dtype: torch.dtype, ops):
+                 dtype: torch.dtype, ops, shard: ExpertShard = ExpertShard(SINGLE),
+                 layer: int = 0):
         super().__init__()
-        h = shape.hidden_size
-        self.gate = Router(h, shape.router, dtype)
-        self.experts = FusedExperts(h, shape.expert_intermediate_size, shape.router.num_experts,
-                                    f"{prefix}.experts", method_for, dtype, ops)
+        h, num_experts = shape.hidden_size, shape.router.num_experts
+        self.gate = Router(h, shape.router, dtype)  # replicated: every rank routes the same
+        self.experts = FusedExperts(h, shape.expert_intermediate_size, num_experts,
+                                    f"{prefix}.experts", method_for, dtype, ops, shard)
         self.shared_name = None
         if shape.shared_intermediate_size:
             self.shared_name = shape.shared_expert_name
+            columns = None if shard.tp.comm is None else shard.tp  # always split by columns
             setattr(self, self.shared_name,
                     ExpertMLP(h, shape.shared_intermediate_size,
-                              f"{prefix}.{self.shared_name}", method_for, dtype, ops))
+                              f"{prefix}.{self.shared_name}", method_for, dtype, ops, columns))
         self.shared_expert_gate = None
         if shape.shared_expert_gate:
             self.shared_expert_gate = SharedExpertGate(h, dtype)
+        self.shard, self.layer = shard, layer
+        # routed (token, expert) pairs per expert since start, and per rank under expert
+        # parallelism (every rank counts the same routing; rank 0's are read)
+        self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64),
+                             persistent=False)
+        self.register_buffer("rank_tokens", torch.zeros(shard.tp.size, dtype=torch.int64)
+                             if shard.expert_parallel else None, persistent=False)
 
     def shared_mlp(self) -> ExpertMLP | None:
         """The always-on expert, under its checkpoint name (None: the block has none)."""
         return None if self.shared_name is None else getattr(self, self.shared_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.experts(x, self.gate(x))
+        routing = self.gate(x)
+        owners = self.count(routing.experts)
+        y = self.experts(x, routing, owners)
         shared_mlp = self.shared_mlp()
         if shared_mlp is not None:
             shared = shared_mlp(x)
             if self.shared_expert_gate is not None:
                 shared = self.shared_expert_gate(x) * shared
             y = y + shared
-        return y
+        return self.shard.reduce(y)  # the routed and shared partial sums: one all-reduce
+
+    def count(self, experts: torch.Tensor) -> torch.Tensor | None:
+        """Add a step's routed pairs [T, k] to the counters (an index_add: no host sync, so a
+        CUDA graph captures it); returns each pair's rank under expert parallelism."""
+        flat = experts.flatten()
+        self.expert_tokens.index_add_(0, flat, torch.ones_like(flat))
+        if self.rank_tokens is None:
+            return None
+        owners = self.experts.owners(experts)
+        self.rank_tokens.index_add_(0, owners.flatten(), torch.ones_like(flat))
+        return owners
 
 
 # config.json entries that mean a routing or attention variant (DeepSeek's router groups,

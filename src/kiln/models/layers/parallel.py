@@ -53,8 +53,12 @@ class HeadSplit:
 class TensorParallel:
     """A model's place among T ranks; `SINGLE` is the one-process model."""
 
-    def __init__(self, comm: Communicator | None):
+    def __init__(self, comm: Communicator | None, experts: object | None = None):
         self.comm = comm
+        # how MoE layers place their experts: an ExpertParallelOptions (typed `object` here,
+        # since kiln.models.layers.expert_parallel imports this module); None: each expert
+        # split by columns, as the dense MLP
+        self.experts = experts
         self.rank = comm.rank if comm is not None else 0
         self.size = comm.world_size if comm is not None else 1
 
