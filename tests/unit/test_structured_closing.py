@@ -79,3 +79,20 @@ def test_steering_classes_pick_closers_then_commas():
     opened = JsonShape()
     opened.feed('{"a":[')
     assert [ids(m) for m in masks.for_shape(opened, now=False)][0] == [4, 5, 6, 13]
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": [1, 2], "required": "name"},
+    {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}, "required": ["a"]},
+    {"type": "array", "items": True, "minItems": "3"},
+])
+def test_an_odd_schema_never_breaks_the_estimate_silently(schema):
+    """Schemas xgrammar may still compile but the estimate cannot read: either an estimate
+    comes out, or one of the errors the hooks catch (then the request has no budget)."""
+    shape = JsonShape()
+    shape.feed("{" if schema["type"] == "object" else "[")
+    plan = closing_plan(json.dumps(schema))
+    try:
+        assert isinstance(tokens_to_close(plan, shape) + plan.jump, int)
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError):
+        pass

@@ -81,7 +81,8 @@ class GuardState:
         self.json = json
         self.interventions = 0
         self.closing = closing
-        self.estimate: tuple[int, int] | None = None  # (JsonShape.version, tokens to close)
+        # (JsonShape.version, tokens to close, the schema's jump): kiln.structured.hooks
+        self.estimate: tuple[int, int, int] | None = None
         self.closing_steps = 0  # draws steered to close the JSON
 
     def take_intervention(self) -> bool:

@@ -191,9 +191,12 @@ class StructuredHooks:
         if guard.closing is None or max_tokens is None:
             return ()
         left = max_tokens - len(request.output_token_ids) - 1  # draws after this token
-        needed = self._tokens_to_close(guard)
+        estimate = self._tokens_to_close(guard)
+        if estimate is None:
+            return ()
+        needed, jump = estimate
         reserve = needed + margin(needed)
-        if left > reserve + guard.closing.jump:
+        if left > reserve + jump:
             return ()  # even a token that opens something new leaves room to close it
         if not guard.closing_steps:
             self.num_closings += 1
@@ -202,14 +205,22 @@ class StructuredHooks:
             self._steer_masks = SteerMasks(self._vocab.texts, self._stop_ids)
         return self._steer_masks.for_shape(guard.json, now=left <= reserve)
 
-    def _tokens_to_close(self, guard: GuardState) -> int:
-        """At most the tokens the shortest completion of the JSON costs, end-of-sequence
-        included (kiln.structured.closing.tokens_to_close), cached per structural state of
-        the output: string characters never change it."""
+    def _tokens_to_close(self, guard: GuardState) -> tuple[int, int] | None:
+        """(at most the tokens the shortest completion of the JSON costs, end-of-sequence
+        included, kiln.structured.closing.tokens_to_close; the schema's `jump`), cached per
+        structural state of the output: string characters never change it. None, and no
+        closing budget for the request from then on, if the estimate cannot read the
+        schema."""
         shape = guard.json
         if guard.estimate is None or guard.estimate[0] != shape.version:
-            guard.estimate = (shape.version, tokens_to_close(guard.closing, shape))
-        return guard.estimate[1]
+            try:
+                needed = tokens_to_close(guard.closing, shape)
+                guard.estimate = (shape.version, needed, guard.closing.jump)
+            except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
+                log.debug("no closing budget for this schema: %r", exc)  # odd but compiled
+                guard.closing = None
+                return None
+        return guard.estimate[1], guard.estimate[2]
 
     def _trips(self, request: Request, token: int) -> bool:
         vocab = self._vocab
