@@ -7,26 +7,29 @@ until max_tokens cuts the JSON (the failures of benchmarks/structured_parse.py a
 stops, unterminated, with finish_reason "length".
 
 Kiln keeps a reserve. After every token of a JSON-constrained request with a `max_tokens`, the
-hooks (kiln.structured.hooks) ask `ClosingPlan.tokens_to_close` what the shortest way to
-finish the JSON from here costs: the text that closes the open string, writes each required
-member not yet written with its shortest value (as the schema allows: `""`, `0`, the shortest
-enum value, `[]` unless minItems, nested required members) and closes every open array and
-object, tokenized, plus the end-of-sequence token. Once the tokens left fall to that cost and
-a margin (a quarter of it, plus 2: the model may split a key into more tokens than the
-tokenizer would), the next draws are *steered*: each draw's grammar mask is narrowed to the
-first of these classes that leaves a token the grammar allows (`SteerMasks`):
+hooks (kiln.structured.hooks) ask `tokens_to_close` what the shortest way to finish the JSON
+from here costs: `ClosingPlan.closing_text` closes the open string (after what an enum,
+minLength or format still owes), writes each required member not yet written with its
+shortest value (`""`, `0`, the shortest enum value, `[]` unless minItems, nested required
+members) and closes every open array and object; its UTF-8 bytes plus one (end-of-sequence)
+bound the tokens (every token is at least a byte; under a grammar the default model often
+spells a forced key one or two characters per token, more than a tokenizer's count). With
+`need` that bound, `margin(need)` = need // 8 + 2 and `jump` the most one free token can add
+(a new element or optional member at its shortest, per schema), the next draw is:
 
-  in a string   tokens that close it (`"`, `"}`, `":`), not ones that go on or add `,`;
-  elsewhere     closers (`]`, `}`, end-of-sequence), else a comma (a required member or
-                minItems element must follow), else whatever the grammar allows (a value
-                after `:`, a key it forces).
+  free            while more than need + margin + jump tokens are left;
+  open nothing    within `jump` of the reserve: no comma (in a string: no token that closes
+  new             it and adds one), closers right after `[` or `{`; strings and numbers go on;
+  close now       at the reserve: in a string the tokens that close it (`"`, `"}`, `":`),
+                  elsewhere closers (`]`, `}`, end-of-sequence), else a comma (a required
+                  member or minItems element must follow), else what the grammar allows.
 
-So the string ends, the array takes no new element, the object no optional member, and the
-required rest is written at its shortest. The bound: the estimate is computed from the
-schema, not searched with the grammar, so it is cheap (cached per structural state of the
-output: string characters never change it), and the margin covers a model that spends a
-little more than the tokenizer would. Unconstrained requests and other grammar kinds (regex,
-EBNF, tool calls' structural tags) are untouched.
+Each narrowing is a list of token classes (`SteerMasks`), the first that leaves a token the
+grammar allows winning, so the grammar's own requirements always overrule it. The estimate is
+computed from the schema, not searched with the grammar, so it is cheap (cached per
+structural state of the output: string characters never change it). Unconstrained requests
+and other grammar kinds (regex, EBNF, tool calls' structural tags) are untouched; see
+docs/structured.md "The closing budget" and docs/decisions/0014.
 """
 
 from __future__ import annotations
