@@ -98,7 +98,8 @@ def step_times(llm: LLM, prompts: list[list[int]], tokens: int, constrained: boo
 
 class StructuredTimer:
     """Wall time spent in kiln.structured's per-step work (filling the batch bitmask,
-    applying it to the logits, advancing grammars and the guard), summed: the cost that
+    applying it to the logits or, greedy, finding the masked argmax without it
+    (kiln.runner.grammar_argmax), advancing grammars and the guard), summed: the cost that
     constrained decoding adds to a step, measured directly rather than as a difference of
     two noisy step times."""
 
@@ -108,6 +109,7 @@ class StructuredTimer:
         import kiln.structured.hooks as engine
         self.seconds = 0.0
         self._patches = [(bitmask.GrammarRows, "fill"), (sampler, "apply_token_bitmask"),
+                         (sampler, "forbidden_argmax"), (sampler, "allowed_argmax"),
                          (engine.StructuredHooks, "check_token")]
         for owner, name in self._patches:
             setattr(owner, name, self._timed(getattr(owner, name)))

@@ -25,7 +25,7 @@ from kiln import LLM, SamplingParams
 from kiln.engine.core import EngineRequest
 from kiln.sampling_params import RepetitionGuardParams, StructuredOutputsParams
 
-WATCHED = ("kiln/structured/", "runner/sampler.py")
+WATCHED = ("kiln/structured/", "runner/sampler.py", "runner/grammar_argmax.py")
 
 
 def run_batch(llm: LLM, prompts: list[list[int]], tokens: int, guard: str) -> int:

@@ -135,3 +135,39 @@ def test_a_tool_calls_arguments_stay_valid_and_bounded(loving_llm, choice):
     tags = arguments["tags"]
     assert len(str(arguments["n"]).lstrip("-")) <= 16
     assert all(len(set(tags[i:i + 4])) > 1 for i in range(len(tags) - 3)), tags  # 3 copies
+
+
+CLOSING = {
+    "strings": {"type": "object", "properties": {"s": {"type": "string"}, "t": {
+        "type": "string"}, "n": {"type": "integer"}}, "required": ["s", "t", "n"]},
+    "numbers": SCHEMAS["numbers"],
+    "items": SCHEMAS["items"],
+    "optional": {"type": "object", "properties": {"s": {"type": "string"}, "note": {
+        "type": "string"}, "xs": {"type": "array", "items": {"type": "string"}}},
+        "required": ["s"]},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLOSING))
+def test_the_closing_budget_ends_the_json_within_max_tokens(loving_llm, name):
+    """The failures of the 0.7 benchmark, scripted: a model that would go on writing a
+    string, a number or list items until max_tokens cut the JSON (`finish_reason` length,
+    unparsable) is steered to close it in budget: every response parses, validates and
+    stops (the end-of-sequence token is reserved too), and the closings are counted."""
+    import jsonschema
+    before = loving_llm.engine.structured.num_closings
+    for max_tokens in (24, 40, 64):
+        for params in ({"temperature": 0}, {"temperature": 0.8, "seed": 3}):
+            out = _json(loving_llm, CLOSING[name], max_tokens=max_tokens, **params)
+            assert out.finish_reason == "stop" and len(out.token_ids) <= max_tokens, out.text
+            jsonschema.validate(json.loads(out.text), CLOSING[name])
+    assert loving_llm.engine.structured.num_closings > before
+
+
+@pytest.mark.parametrize("loving_llm", ["1"], indirect=True)
+def test_the_closing_budget_leaves_roomy_requests_alone(loving_llm):
+    """A response that ends well inside max_tokens is the same with any larger budget: the
+    steering only starts once the tokens left near the cost of closing."""
+    short = _json(loving_llm, SCHEMAS["integer"], max_tokens=200, temperature=0)
+    longer = _json(loving_llm, SCHEMAS["integer"], max_tokens=400, temperature=0)
+    assert short.finish_reason == "stop" and short.token_ids == longer.token_ids

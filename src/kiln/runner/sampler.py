@@ -6,6 +6,14 @@ Order of operations on each row (as vLLM and HF apply them):
 Logprobs report the model's raw distribution (log-softmax of the unprocessed logits), which is
 what HF parity tests and log-likelihood evaluation expect.
 
+Grammar masks, greedy fast path (a step whose rows are all greedy, without penalties or
+pending min_tokens): what follows the mask is only an argmax, so a row whose raw argmax the
+grammar allows keeps its raw logits (masking cannot change the argmax), and a row whose argmax
+is forbidden gets +inf at its masked argmax, found without masking the vocabulary
+(kiln.runner.grammar_argmax: enumerating the few allowed ids, or checking the top tokens);
+only what that cannot settle is masked in full (`Sampler._greedy_masked`). The argmax worked
+out this way is the one `choose` returns for the same tensor.
+
 Random draws invert the row's cumulative distribution: the first token whose running sum of p
 (in fp64) exceeds u times the row's total, u ~ U(0, 1), is a sample from p, and a token of
 probability 0 is never it. One uniform per row: the exponential race (argmax p / E, one Exp(1)
@@ -21,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.engine.contract import TokenLogprobs
+from kiln.runner.grammar_argmax import allowed_argmax, forbidden_argmax
 from kiln.sampling_params import SamplingParams
 
 
@@ -49,6 +58,9 @@ class Sampler:
         self.eos_token_ids = sorted(eos_token_ids)
         self.device = device
         self.generator = torch.Generator(device).manual_seed(seed)
+        # (tensor, its row argmax) from the last `process`, reused by `choose` on the same
+        # tensor object within one sampling call (each step's logits are a new tensor)
+        self._argmax: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  bitmask: torch.Tensor | None = None) -> SamplerOutput:
@@ -65,12 +77,18 @@ class Sampler:
     def process(self, logits: torch.Tensor, rows: list[SamplingRow],
                 bitmask: torch.Tensor | None = None) -> torch.Tensor:
         """Everything before the draw: masks and penalties. Returns `logits` itself when no
-        row needs either (callers must not modify the result in place), else a new tensor."""
+        row needs either (callers must not modify the result in place), else a new tensor;
+        except in the greedy fast path when no row wants logprobs, where the rows whose
+        argmax the grammar forbids are changed in place (the raw logits of sampling rows are
+        read only for logprobs) and `logits` itself is returned."""
+        self._argmax = None
         masked = bitmask is not None and any(r.bitmask_row is not None for r in rows)
         min_tok = any(r.params.min_tokens > len(r.output_token_ids) for r in rows)
         penalized = any(_has_penalty(r.params) for r in rows)
         if not (masked or min_tok or penalized):
             return logits
+        if masked and not (min_tok or penalized) and all(r.params.greedy for r in rows):
+            return self._greedy_masked(logits, rows, bitmask)
         logits = logits.clone()
         if masked:
             apply_token_bitmask(logits, rows, bitmask)
@@ -80,10 +98,32 @@ class Sampler:
             apply_penalties(logits, rows)
         return logits
 
+    def _greedy_masked(self, logits: torch.Tensor, rows: list[SamplingRow],
+                       bitmask: torch.Tensor) -> torch.Tensor:
+        """The greedy fast path (module docstring): logits whose row argmax is the masked
+        argmax of each row: `logits` itself (changed in place where an argmax is forbidden),
+        or a changed copy when a row wants logprobs."""
+        targets = [(i, r.bitmask_row) for i, r in enumerate(rows) if r.bitmask_row is not None]
+        argmax = logits.argmax(dim=-1)  # what `choose` takes, unless a row's is forbidden
+        targets = forbidden_argmax(argmax, targets, bitmask)
+        if targets:
+            if any(r.params.logprobs is not None for r in rows):
+                logits = logits.clone()  # the raw rows give the logprobs
+            picked, tokens, unresolved = allowed_argmax(logits, targets, bitmask)
+            logits[picked, tokens] = float("inf")  # only an argmax reads a greedy row
+            argmax[picked] = tokens
+            if unresolved:
+                apply_token_bitmask(logits, rows, bitmask, unresolved)
+                index = torch.tensor([i for i, _ in unresolved], device=logits.device)
+                argmax[index] = logits[index].argmax(dim=-1)
+        self._argmax = (logits, argmax)
+        return logits
+
     def choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """[B] token ids: argmax for greedy rows, a random draw for the others."""
         greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
-        chosen = logits.argmax(dim=-1)
+        known, self._argmax = self._argmax, None
+        chosen = known[1] if known is not None and known[0] is logits else logits.argmax(dim=-1)
         if bool(greedy.all()):
             return chosen
         drawn = inverse_cdf_draw(self.probabilities(logits, rows), self.uniforms(rows))
@@ -183,12 +223,15 @@ def apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[SamplingRow],
-                        bitmask: torch.Tensor) -> None:
+                        bitmask: torch.Tensor,
+                        targets: list[tuple[int, int]] | None = None) -> None:
     """In place: -inf where the row's grammar forbids the token. `bitmask` is xgrammar's
     packed int32 layout [num_constrained, ceil(V / 32)]: bit j of word w allows token 32w + j.
-    When every constrained row's bitmask row is its own index (kiln.structured lays the mask
+    `targets`: the (logits row, bitmask row) pairs to mask (default: every constrained row).
+    When every target's bitmask row is its own index (kiln.structured lays the mask
     out so), xgrammar's CPU kernel does it (~5x faster than the torch reference below)."""
-    targets = [(i, r.bitmask_row) for i, r in enumerate(rows) if r.bitmask_row is not None]
+    if targets is None:
+        targets = [(i, r.bitmask_row) for i, r in enumerate(rows) if r.bitmask_row is not None]
     if not targets:
         return
     if logits.device.type == "cpu" and all(i == b for i, b in targets):

@@ -78,6 +78,7 @@ class GrammarRows:
         apply_utf8_rows(bitmask, batched)
         for constraint, row in batched:
             constraint.apply_ban(bitmask, row)
+            constraint.apply_steer(bitmask, row)
 
 
 def apply_utf8_rows(bitmask: torch.Tensor, rows: list[tuple[TokenConstraint, int]]) -> None:

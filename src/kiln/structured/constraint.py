@@ -8,7 +8,8 @@ A `TokenConstraint` lives on `Request.grammar` (the scheduler hands it to the ru
   2. once compiled, an xgrammar matcher follows the output: the runner fills bitmask rows from
      it (`fill_rows`, before sampling), the engine advances it (`accept`, after sampling);
   3. `banned` holds tokens forbidden for the next draw only (the repetition guard's redraw); a
-     request without a grammar gets a constraint just for that.
+     request without a grammar gets a constraint just for that. `steer` narrows the draws
+     of a response that must close its JSON before max_tokens (kiln.structured.closing).
 Masks also keep the output valid UTF-8 across tokens (kiln.structured.utf8), which xgrammar
 alone does not. All calls come from the engine's step thread.
 """
@@ -39,6 +40,9 @@ class TokenConstraint:
         self.matcher = None  # xgrammar.GrammarMatcher once compiled
         self.error: str | None = None  # why the grammar cannot be used
         self.banned: list[int] = []  # forbidden for the next draw only
+        # token classes narrowing each draw, the first that leaves a token (the closing
+        # budget, kiln.structured.closing; set after every token, () when not closing)
+        self.steer: tuple[torch.Tensor, ...] = ()
 
     # -- compile state --------------------------------------------------------------------
 
@@ -67,7 +71,7 @@ class TokenConstraint:
     @property
     def active(self) -> bool:
         """Whether the next draw is constrained at all (a grammar, or a ban)."""
-        return self.matcher is not None or bool(self.banned)
+        return self.matcher is not None or bool(self.banned) or bool(self.steer)
 
     # -- following the output ---------------------------------------------------------------
 
@@ -130,6 +134,7 @@ class TokenConstraint:
                 self.matcher.rollback(accepted)
             self.utf8_state = state
         self.apply_ban(bitmask, first)
+        self.apply_steer(bitmask, first)  # no drafts while steering (StructuredHooks)
 
     def apply_utf8(self, bitmask: torch.Tensor, row: int) -> None:
         """AND in the tokens that keep the bytes UTF-8 (unless that would leave none)."""
@@ -138,6 +143,14 @@ class TokenConstraint:
         masked = bitmask[row] & self.utf8.masks[self.utf8_state]
         if bool(masked.any()):
             bitmask[row] = masked
+
+    def apply_steer(self, bitmask: torch.Tensor, row: int) -> None:
+        """AND in the first `steer` class that leaves `row` a token (none: unchanged)."""
+        for allowed in self.steer:
+            masked = bitmask[row] & allowed
+            if bool(masked.any()):
+                bitmask[row] = masked
+                return
 
     def apply_ban(self, bitmask: torch.Tensor, row: int) -> None:
         """Clear the banned tokens' bits in `row`, unless that would forbid everything."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.sampling_params import RepetitionGuardParams
+from kiln.structured.closing import ClosingPlan
 from kiln.structured.json_limits import JsonShape
 
 DEFAULTS = RepetitionGuardParams()
@@ -70,13 +71,19 @@ def find_loop(history: list[int], token: int, s: GuardSettings, filler: bytes) -
 class GuardState:
     """One sequence's guard: its settings, whether it already used its redraw, and in a
     grammar-constrained request the masked redraws it made (`interventions`) and, for JSON,
-    the shape of the output so far (kiln.structured.json_limits)."""
+    the shape of the output so far (kiln.structured.json_limits) and the closing budget's plan
+    and last estimate (kiln.structured.closing)."""
 
-    def __init__(self, settings: GuardSettings, json: JsonShape | None = None):
+    def __init__(self, settings: GuardSettings, json: JsonShape | None = None,
+                 closing: ClosingPlan | None = None):
         self.settings = settings
         self.num_redraws = 0
         self.json = json
         self.interventions = 0
+        self.closing = closing
+        # (JsonShape.version, tokens to close, the schema's jump): kiln.structured.hooks
+        self.estimate: tuple[int, int, int] | None = None
+        self.closing_steps = 0  # draws steered to close the JSON
 
     def take_intervention(self) -> bool:
         """One more masked redraw in a constrained request (False past MAX_INTERVENTIONS)."""

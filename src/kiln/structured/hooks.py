@@ -23,6 +23,7 @@ from kiln.engine.limits import RequestError
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import KEEP, TokenCheck
 from kiln.sampling_params import SamplingParams
+from kiln.structured.closing import ClosingPlan, SteerMasks, closing_plan, margin, tokens_to_close
 from kiln.structured.compiler import GrammarCompiler
 from kiln.structured.constraint import TokenConstraint
 from kiln.structured.grammar_spec import GrammarError, GrammarSpec, grammar_spec
@@ -49,6 +50,8 @@ class StructuredHooks:
         self.num_guard_stops = 0
         self.num_redraws = 0
         self.num_interventions = 0  # masked redraws in constrained requests (_intervene)
+        self.num_closings = 0  # constrained requests steered to close their JSON in budget
+        self._steer_masks: SteerMasks | None = None
 
     def vocab(self) -> Vocabulary | None:
         return self._vocab
@@ -72,7 +75,7 @@ class StructuredHooks:
         settings = guard_settings(params.repetition_guard, self.default_guard_mode(params))
         if settings.mode != "off":
             request.guard = GuardState(settings, json_shape(spec, request.output_token_ids,
-                                                            self._vocab))
+                                                            self._vocab), json_closing(spec))
 
     def default_guard_mode(self, params: SamplingParams) -> str:
         """The engine's mode, except with ignore_eos: the client asked for exactly max_tokens
@@ -129,6 +132,7 @@ class StructuredHooks:
                     ahead = request.guard.json
                     ahead.feed(self._vocab.text(token))
                 request.guard.json = ahead
+                constraint.steer = self._closing_steer(request)
             if status is None and constraint.terminated:
                 status = RequestStatus.FINISHED_STOPPED
         return TokenCheck(status=status) if status is not None else KEEP
@@ -179,6 +183,45 @@ class StructuredHooks:
         starts = kind.banned_starts(char)
         return [token] + (vocab.starting_with(starts) if starts else vocab.not_closing_string())
 
+    def _closing_steer(self, request: Request) -> tuple:
+        """The classes the next draws are narrowed to so that the JSON closes within
+        max_tokens (kiln.structured.closing); () while the budget is ample. Called with the
+        token being kept not yet appended."""
+        guard, max_tokens = request.guard, request.params.max_tokens
+        if guard.closing is None or max_tokens is None:
+            return ()
+        left = max_tokens - len(request.output_token_ids) - 1  # draws after this token
+        estimate = self._tokens_to_close(guard)
+        if estimate is None:
+            return ()
+        needed, jump = estimate
+        reserve = needed + margin(needed)
+        if left > reserve + jump:
+            return ()  # even a token that opens something new leaves room to close it
+        if not guard.closing_steps:
+            self.num_closings += 1
+        guard.closing_steps += 1
+        if self._steer_masks is None:
+            self._steer_masks = SteerMasks(self._vocab.texts, self._stop_ids)
+        return self._steer_masks.for_shape(guard.json, now=left <= reserve)
+
+    def _tokens_to_close(self, guard: GuardState) -> tuple[int, int] | None:
+        """(at most the tokens the shortest completion of the JSON costs, end-of-sequence
+        included, kiln.structured.closing.tokens_to_close; the schema's `jump`), cached per
+        structural state of the output: string characters never change it. None, and no
+        closing budget for the request from then on, if the estimate cannot read the
+        schema."""
+        shape = guard.json
+        if guard.estimate is None or guard.estimate[0] != shape.version:
+            try:
+                needed = tokens_to_close(guard.closing, shape)
+                guard.estimate = (shape.version, needed, guard.closing.jump)
+            except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
+                log.debug("no closing budget for this schema: %r", exc)  # odd but compiled
+                guard.closing = None
+                return None
+        return guard.estimate[1], guard.estimate[2]
+
     def _trips(self, request: Request, token: int) -> bool:
         vocab = self._vocab
         if vocab is None or not 0 <= token < len(vocab.filler):
@@ -198,8 +241,8 @@ class StructuredHooks:
         constraint = request.grammar
         if constraint is None:
             return len(drafts)
-        if not constraint.ready():
-            return 0
+        if not constraint.ready() or constraint.steer:
+            return 0  # closing steers one draw at a time
         return constraint.valid_prefix(drafts)
 
 
@@ -221,3 +264,11 @@ def json_shape(spec: GrammarSpec | None, replay: list[int],
         return None
     shape.feed("".join(vocab.text(t) for t in replay))
     return shape
+
+
+def json_closing(spec: GrammarSpec | None) -> ClosingPlan | None:
+    """The closing budget's plan for a JSON-kind grammar (tool calls' structural tags and the
+    other kinds have none)."""
+    if spec is None or spec.kind not in ("json", "json_object"):
+        return None
+    return closing_plan(spec.source if spec.kind == "json" else None)

@@ -101,9 +101,13 @@ class _Level:
     start: int | None = None  # offset in the text where the current element began
     recent: list[str] = field(default_factory=list)
     after_colon: bool = False  # an object's: a member's value comes next
+    after_comma: bool = False  # an element (array) or a member (object) must come next
+    keys: tuple[str, ...] = ()  # an object's member keys so far (the last: the current one)
+    count: int = 0  # an array's elements begun
 
     def copy(self) -> _Level:
-        return _Level(self.array, self.start, list(self.recent), self.after_colon)
+        return _Level(self.array, self.start, list(self.recent), self.after_colon,
+                      self.after_comma, self.keys, self.count)
 
 
 @dataclass
@@ -127,6 +131,9 @@ class JsonShape:
     capped: int = 0  # runs in the current string that reached their bound
     number: _Number | None = None
     at: int = 0  # offset in `text` of the character being read
+    in_key: bool = False  # the current string is an object's member key
+    version: int = 0  # counts the characters read outside string contents (kiln.structured.
+    # closing caches its estimate per version: string characters never change it)
     # structural tags (tool calls): JSON values begin after one of `begins` and the text
     # between them (free text, the tags themselves) is not JSON; () when all of it is JSON
     begins: tuple[str, ...] = ()
@@ -213,6 +220,7 @@ class JsonShape:
     # -- one character ------------------------------------------------------------------------
 
     def _char(self, ch: str) -> Breach | None:
+        self.version += 1
         if self.in_string:
             return self._string_char(ch)
         if self.number is not None:
@@ -220,6 +228,10 @@ class JsonShape:
                 return self._number_char(ch)
             self.number = None
         if ch == '"':
+            top = self.levels[-1] if self.levels else None
+            self.in_key = top is not None and not top.array and not top.after_colon
+            if self.in_key and top.after_comma:
+                self._own_levels()[-1].after_comma = False
             self._value_starts()
             self.in_string, self.run, self.digits, self.capped = True, 0, 0, 0
             self.string_start = self.at + 1
@@ -251,6 +263,10 @@ class JsonShape:
             return None
         if ch == '"':
             self.in_string = False
+            if self.in_key and self.levels:  # `levels` is empty only in a bare key (a bug)
+                top = self._own_levels()[-1]
+                top.keys += (self.text[self.string_start:self.at],)
+                self.in_key = False
             return None
         return self._plain_string_char(ch)
 
@@ -295,13 +311,15 @@ class JsonShape:
         if top is not None and top.start is None and (top.array or top.after_colon):
             top = self._own_levels()[-1]
             top.start = self.at
-            top.after_colon = False
+            top.after_colon = top.after_comma = False
+            top.count += top.array
 
     def _comma(self) -> Breach | None:
         if not self.levels:
             return None
         top = self._own_levels()[-1]
         self._complete(top)
+        top.after_comma = True
         if top.array:
             return Breach.REPEATED_ELEMENT if self._elements_loop(top.recent) else None
         return Breach.REPEATED_MEMBER if self._same_loop(top.recent) else None
