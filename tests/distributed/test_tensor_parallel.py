@@ -114,11 +114,6 @@ def test_qwen3_qk_norm_matches_one_process(tiny_ckpt):
         two.close()
 
 
-def test_group_wise_formats_are_refused(tiny_ckpt):
-    with pytest.raises(ValueError, match="'int4-g32-sym' cannot be split"):
-        LLM(tiny_ckpt("llama"), **SETTINGS, tensor_parallel_size=2, quantization="int4-g32-sym")
-
-
 def test_heads_not_divisible_fail_with_the_numbers(tiny_ckpt):
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the model's "
                                          "4 attention heads"):

@@ -21,12 +21,11 @@ from kiln.distributed.communicator import RankFailure
 from kiln.distributed.launch import RankGroup, default_threads_per_rank
 from kiln.engine.contract import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kiln.models.layers.attention import AttentionMetadata
-from kiln.models.layers.linear import get_linear_method
 from kiln.models.layers.ops import ops_for
 from kiln.models.layers.parallel import (
     SINGLE,
     TensorParallel,
-    check_row_shardable,
+    check_row_formats,
     check_tensor_parallel,
 )
 from kiln.models.loader import load_model, read_hf_config
@@ -153,10 +152,11 @@ class ModelRunner:
         size = parallel.tensor_parallel_size
         if size == 1 or ranks is not None:
             return None
-        if model_config.quantization is not None:
-            check_row_shardable(get_linear_method(model_config.quantization))
-        _, arch = resolve_architecture(read_hf_config(model_path))
+        _, arch = resolve_architecture(hf_config := read_hf_config(model_path))
         check_tensor_parallel(size, arch.num_heads, arch.num_kv_heads, arch.intermediate_size)
+        check_row_formats(size, hf_config, model_config.quantization,
+                          {"o_proj": arch.num_heads * arch.head_dim,
+                           "down_proj": arch.intermediate_size})
         log.info("tensor parallel over %d ranks: decoder layers run one call each (the fused "
                  "stack has no collective)", size)
         return Leader.start(model_config, model_path, cache, parallel)
