@@ -38,13 +38,14 @@ def build_engine_core(config: EngineConfig, *, emit_kv_events: bool = False) -> 
 
 
 def check_parallel_features(config: EngineConfig) -> None:
-    """ValueError for a feature that tensor parallelism does not serve: a draft model or head
-    reads the target's whole LM head and KV heads, which no rank holds (n-gram lookup drafts
-    are tokens of the step, and work)."""
+    """ValueError for a feature that tensor parallelism does not serve: an EAGLE-style head
+    reads the target's embedding, LM head and hidden states, of which rank 0 holds only its
+    share of the vocabulary. n-gram lookups and a draft model (run in rank 0's process alone)
+    draft tokens, which every rank verifies."""
     size, spec = config.parallel.tensor_parallel_size, config.speculative
-    if size > 1 and spec is not None and spec.method != "ngram":
+    if size > 1 and spec is not None and spec.method not in ("ngram", "draft"):
         raise ValueError(f"speculative method {spec.method!r} with tensor_parallel_size "
-                         f"{size}: only ngram drafts work across ranks")
+                         f"{size}: only ngram and draft-model drafts work across ranks")
 
 
 def register_plugins() -> None:

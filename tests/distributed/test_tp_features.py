@@ -1,6 +1,6 @@
 """Engine features over 2 real rank processes (gloo) against one process, fp32, tiny Llama:
-preemption, n > 1 and structured output (test_tensor_parallel covers chunked prefill, prefix
-cache hits and n-gram speculation), and which speculators start at TP=2.
+preemption, n > 1, structured output and a draft model (test_tensor_parallel covers chunked
+prefill, prefix cache hits and n-gram speculation); an EAGLE-style head is refused at TP=2.
 
 Both engines get 8 KV blocks (the sharded one half the bytes: each rank holds half the KV
 heads), so four requests of ~4 blocks each cannot run together and some are preempted.
@@ -85,6 +85,24 @@ def test_json_schema_output_gives_the_same_tokens(small_pool_pair):
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
 
 
+def test_a_draft_model_gives_the_same_tokens(tiny_ckpt, small_pool_pair):
+    """The draft (the target's own checkpoint, whole: its drafts are mostly accepted) runs in
+    rank 0's process; greedy output is the target's alone, so the one-process engine without
+    drafts is the reference."""
+    one, _ = small_pool_pair
+    two = LLM(tiny_ckpt("llama"), **SETTINGS, tensor_parallel_size=2,
+              speculator=tiny_ckpt("llama"))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    try:
+        sharded = two.generate(PROMPTS[:2], params, use_tqdm=False)
+    finally:
+        two.close()
+    assert_same(one.generate(PROMPTS[:2], params, use_tqdm=False), sharded)
+    drafted = sum(out.metrics["num_draft_tokens"] for out in sharded)
+    accepted = sum(out.metrics["num_accepted_tokens"] for out in sharded)
+    assert drafted >= accepted > 0
+
+
 def test_an_eagle_head_is_refused_at_start(tiny_ckpt, tmp_path):
     import torch
 
@@ -96,5 +114,5 @@ def test_an_eagle_head_is_refused_at_start(tiny_ckpt, tmp_path):
     _, arch = resolve_architecture(read_hf_config(path))
     save_head(EagleHead(HeadConfig.for_target(arch, 256, (0, -1))), tmp_path, torch.float32)
     with pytest.raises(ValueError, match="speculative method 'head' with tensor_parallel_size "
-                                         "2: only ngram"):
+                                         "2: only ngram and draft-model"):
         LLM(path, **SETTINGS, tensor_parallel_size=2, speculator=str(tmp_path))
