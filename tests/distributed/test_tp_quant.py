@@ -91,6 +91,14 @@ def test_a_size_that_cuts_a_group_fails_with_the_numbers(tiny_ckpt):
         LLM(tiny_ckpt("llama"), **SETTINGS, tensor_parallel_size=2, quantization="int4-g64-sym")
 
 
+def test_a_checkpoint_whose_groups_a_size_cuts_fails_before_ranks_start(tiny_ckpt, tmp_path):
+    plan = dict(MIXED_PLAN, **{"model.layers.1.self_attn.o_proj": "int4-g64-asym"})
+    path = write_checkpoint(tiny_ckpt("llama"), tmp_path / "g64", plan, "mixed")
+    with pytest.raises(ValueError, match="'int4-g64-asym' has groups of 64 inputs: "
+                                         "tensor_parallel_size 2 splits a layer's 64 inputs"):
+        LLM(str(path), **SETTINGS, tensor_parallel_size=2)
+
+
 def test_activations_quantized_over_the_whole_row_are_refused(tiny_ckpt):
     with pytest.raises(ValueError, match="'int8-dyn' cannot be split across tensor-parallel "
                                          "ranks: it quantizes activations per token"):
