@@ -24,7 +24,6 @@ def build_engine_core(config: EngineConfig, *, emit_kv_events: bool = False) -> 
     `config.speculative` is set, a speculator. `emit_kv_events`: the prefix cache records
     KV events for a router (the cluster worker publishes them)."""
     register_plugins()
-    check_parallel_features(config)
     # the tokenizer loads on a thread while the engine loads the model
     vocab = Vocabulary.load_in_background(resolve_model_path(config.model.model))
     speculator: SpeculationFactory | None = None
@@ -35,17 +34,6 @@ def build_engine_core(config: EngineConfig, *, emit_kv_events: bool = False) -> 
                         speculator=speculator)
     engine.runner.grammar_rows = GrammarRows  # each step's bitmask (kiln.runner.hooks)
     return engine
-
-
-def check_parallel_features(config: EngineConfig) -> None:
-    """ValueError for a feature that tensor parallelism does not serve: an EAGLE-style head
-    reads the target's embedding, LM head and hidden states, of which rank 0 holds only its
-    share of the vocabulary. n-gram lookups and a draft model (run in rank 0's process alone)
-    draft tokens, which every rank verifies."""
-    size, spec = config.parallel.tensor_parallel_size, config.speculative
-    if size > 1 and spec is not None and spec.method not in ("ngram", "draft"):
-        raise ValueError(f"speculative method {spec.method!r} with tensor_parallel_size "
-                         f"{size}: only ngram and draft-model drafts work across ranks")
 
 
 def register_plugins() -> None:

@@ -1,6 +1,6 @@
 """Engine features over 2 real rank processes (gloo) against one process, fp32, tiny Llama:
-preemption, n > 1, structured output and a draft model (test_tensor_parallel covers chunked
-prefill, prefix cache hits and n-gram speculation); an EAGLE-style head is refused at TP=2.
+preemption, n > 1, structured output, a draft model and an EAGLE-style head
+(test_tensor_parallel covers chunked prefill, prefix cache hits and n-gram speculation).
 
 Both engines get 8 KV blocks (the sharded one half the bytes: each rank holds half the KV
 heads), so four requests of ~4 blocks each cannot run together and some are preempted.
@@ -103,7 +103,10 @@ def test_a_draft_model_gives_the_same_tokens(tiny_ckpt, small_pool_pair):
     assert drafted >= accepted > 0
 
 
-def test_an_eagle_head_is_refused_at_start(tiny_ckpt, tmp_path):
+def test_an_eagle_head_drafts_as_in_one_process(tiny_ckpt, small_pool_pair, tmp_path):
+    """An untrained head (random drafts, some accepted on a repetitive prompt): the sharded
+    engine's head reads the same features and vocabulary rows, so it drafts and accepts as
+    the one-process engine's does, and greedy output is the target's."""
     import torch
 
     from kiln.models.loader import read_hf_config
@@ -112,7 +115,18 @@ def test_an_eagle_head_is_refused_at_start(tiny_ckpt, tmp_path):
 
     path = tiny_ckpt("llama")
     _, arch = resolve_architecture(read_hf_config(path))
+    torch.manual_seed(0)
     save_head(EagleHead(HeadConfig.for_target(arch, 256, (0, -1))), tmp_path, torch.float32)
-    with pytest.raises(ValueError, match="speculative method 'head' with tensor_parallel_size "
-                                         "2: only ngram and draft-model"):
-        LLM(path, **SETTINGS, tensor_parallel_size=2, speculator=str(tmp_path))
+    plain, _ = small_pool_pair
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    one = LLM(path, **SETTINGS, speculator=str(tmp_path))
+    two = LLM(path, **SETTINGS, tensor_parallel_size=2, speculator=str(tmp_path))
+    try:
+        sharded = two.generate(PROMPTS[:2], params, use_tqdm=False)
+    finally:
+        two.close()
+    assert_same(plain.generate(PROMPTS[:2], params, use_tqdm=False), sharded)
+    counts = [[(out.metrics["num_draft_tokens"], out.metrics["num_accepted_tokens"])
+               for out in outs] for outs in (one.generate(PROMPTS[:2], params, use_tqdm=False),
+                                             sharded)]
+    assert counts[0] == counts[1] and sum(accepted for _, accepted in counts[1]) > 0
