@@ -90,8 +90,8 @@ def test_a_draft_model_gives_the_same_tokens(tiny_ckpt, small_pool_pair):
     rank 0's process; greedy output is the target's alone, so the one-process engine without
     drafts is the reference."""
     one, _ = small_pool_pair
-    two = LLM(tiny_ckpt("llama"), **SETTINGS, tensor_parallel_size=2,
-              speculator=tiny_ckpt("llama"))
+    spec = {"method": "draft_model", "model": tiny_ckpt("llama"), "adaptive": False}
+    two = LLM(tiny_ckpt("llama"), **SETTINGS, tensor_parallel_size=2, speculative_config=spec)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=0)
     try:
         sharded = two.generate(PROMPTS[:2], params, use_tqdm=False)
@@ -119,8 +119,10 @@ def test_an_eagle_head_drafts_as_in_one_process(tiny_ckpt, small_pool_pair, tmp_
     save_head(EagleHead(HeadConfig.for_target(arch, 256, (0, -1))), tmp_path, torch.float32)
     plain, _ = small_pool_pair
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=0)
-    one = LLM(path, **SETTINGS, speculator=str(tmp_path))
-    two = LLM(path, **SETTINGS, tensor_parallel_size=2, speculator=str(tmp_path))
+    # not adaptive: how much to draft would follow measured step times
+    spec = {"method": "eagle", "model": str(tmp_path), "adaptive": False}
+    one = LLM(path, **SETTINGS, speculative_config=spec)
+    two = LLM(path, **SETTINGS, tensor_parallel_size=2, speculative_config=spec)
     try:
         sharded = two.generate(PROMPTS[:2], params, use_tqdm=False)
     finally:
