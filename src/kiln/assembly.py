@@ -24,7 +24,6 @@ def build_engine_core(config: EngineConfig, *, emit_kv_events: bool = False) -> 
     `config.speculative` is set, a speculator. `emit_kv_events`: the prefix cache records
     KV events for a router (the cluster worker publishes them)."""
     register_plugins()
-    check_parallel_features(config)
     # the tokenizer loads on a thread while the engine loads the model
     vocab = Vocabulary.load_in_background(resolve_model_path(config.model.model))
     speculator: SpeculationFactory | None = None
@@ -35,16 +34,6 @@ def build_engine_core(config: EngineConfig, *, emit_kv_events: bool = False) -> 
                         speculator=speculator)
     engine.runner.grammar_rows = GrammarRows  # each step's bitmask (kiln.runner.hooks)
     return engine
-
-
-def check_parallel_features(config: EngineConfig) -> None:
-    """ValueError for a feature that tensor parallelism does not serve: a draft model or head
-    reads the target's whole LM head and KV heads, which no rank holds (n-gram lookup drafts
-    are tokens of the step, and work)."""
-    size, spec = config.parallel.tensor_parallel_size, config.speculative
-    if size > 1 and spec is not None and spec.method != "ngram":
-        raise ValueError(f"speculative method {spec.method!r} with tensor_parallel_size "
-                         f"{size}: only ngram drafts work across ranks")
 
 
 def register_plugins() -> None:

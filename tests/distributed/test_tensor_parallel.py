@@ -93,12 +93,6 @@ def test_ngram_speculation_across_ranks(llama_pair):
         repetitive, params, use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_speculation_from_a_model_is_refused(tiny_ckpt):
-    with pytest.raises(ValueError, match="speculative method 'draft' with "
-                                         "tensor_parallel_size 2: only ngram"):
-        LLM(tiny_ckpt("llama"), **SETTINGS, tensor_parallel_size=2, speculator=tiny_ckpt("llama"))
-
-
 def test_qwen2_int8_replicated_kv_head_matches_one_process(qwen2_pair):
     one, two = qwen2_pair
     assert_same(one.generate(PROMPTS, GREEDY, use_tqdm=False),
@@ -112,11 +106,6 @@ def test_qwen3_qk_norm_matches_one_process(tiny_ckpt):
                     two.generate(PROMPTS, GREEDY, use_tqdm=False))
     finally:
         two.close()
-
-
-def test_group_wise_formats_are_refused(tiny_ckpt):
-    with pytest.raises(ValueError, match="'int4-g32-sym' cannot be split"):
-        LLM(tiny_ckpt("llama"), **SETTINGS, tensor_parallel_size=2, quantization="int4-g32-sym")
 
 
 def test_heads_not_divisible_fail_with_the_numbers(tiny_ckpt):

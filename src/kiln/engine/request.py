@@ -63,6 +63,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.num_preemptions = 0
+        # prompt positions whose logprobs were reported: a recompute after preemption repeats them
+        self.num_prompt_logprobs = 0
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, grown lazily
         # kiln.structured: what the next draw may be (a grammar, a one-draw ban) and the

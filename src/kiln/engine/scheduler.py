@@ -27,6 +27,7 @@ from kiln.engine.contract import (
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
+    TokenLogprobs,
     tree_depths,
 )
 from kiln.engine.kv_manager import KVCacheManager
@@ -235,10 +236,22 @@ class Scheduler:
                 outputs.append(out)
         return outputs
 
+    @staticmethod
+    def _new_prompt_logprobs(request: Request, item: ScheduledRequest, result: RunnerOutput,
+                             i: int) -> list[TokenLogprobs] | None:
+        """The chunk's prompt logprobs (positions start_pos + 1 ..) not reported before: a
+        request recomputed after preemption scores its prompt again."""
+        chunk = result.prompt_logprobs[i] if result.prompt_logprobs else None
+        if not chunk:
+            return None
+        new = chunk[max(0, request.num_prompt_logprobs - item.start_pos):]
+        request.num_prompt_logprobs += len(new)
+        return new or None
+
     def _advance(self, request: Request, item: ScheduledRequest, result: RunnerOutput,
                  i: int) -> EngineCoreOutput | None:
         request.num_computed_tokens += len(item.token_ids)
-        prompt_lp = result.prompt_logprobs[i] if result.prompt_logprobs else None
+        prompt_lp = self._new_prompt_logprobs(request, item, result, i)
         if not item.samples:
             return EngineCoreOutput(request.request_id, [], prompt_logprobs=prompt_lp) \
                 if prompt_lp else None

@@ -63,6 +63,7 @@ from kiln.quant.formats import (
     get_format,
 )
 from kiln.quant.packing import pack_nibbles, unpack_nibbles
+from kiln.quant.sharding import check_columns, columns_of, quantized_whole, rows_of
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +223,27 @@ class QuantLinearMethod:
 
     def stack_tensors(self, layer: Linear) -> StackTensors | None:
         return None  # the fused stack reads weight-only int8 only (Int8LinearMethod)
+
+    # -- tensor parallelism (kiln.models.layers.parallel; the rules: kiln.quant.sharding) ----
+
+    def rank_rows(self, name: str, tensor: torch.Tensor, rows: slice,
+                  size: int) -> dict[str, torch.Tensor]:
+        """A checkpoint tensor's stored tensors for output rows `rows` (`size` of them, zero
+        rows past the end): a column-parallel rank's part."""
+        whole = quantized_whole(self.fmt, name, tensor, DENSE_DTYPES)
+        return {key: rows_of(self.fmt, key, value, rows, size) for key, value in whole.items()}
+
+    def rank_columns(self, name: str, tensor: torch.Tensor,
+                     cols: slice) -> dict[str, torch.Tensor]:
+        """A checkpoint tensor's stored tensors for input columns `cols` (whole groups): a
+        row-parallel rank's part."""
+        whole = quantized_whole(self.fmt, name, tensor, DENSE_DTYPES)
+        return {key: columns_of(self.fmt, key, value, cols) for key, value in whole.items()}
+
+    def check_rank_columns(self, world: int, in_features: int | None = None) -> None:
+        """ValueError where a layer of `in_features` inputs cannot split into `world` column
+        ranges with one process's numbers (None: the checks that hold for any size)."""
+        check_columns(self.fmt, self.act_quant, world, in_features)
 
 
 class Int8LinearMethod(QuantLinearMethod):

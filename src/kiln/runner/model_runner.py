@@ -23,12 +23,12 @@ from kiln.engine.contract import RunnerOutput, ScheduledRequest, SchedulerOutput
 from kiln.models.layers.attention import AttentionMetadata
 from kiln.models.layers.expert_parallel import ExpertParallelOptions, check_expert_parallel
 from kiln.models.layers.kv_layout import CacheHolds, CacheLayout, model_cache_layout
-from kiln.models.layers.linear import get_linear_method, use_kernels
+from kiln.models.layers.linear import use_kernels
 from kiln.models.layers.ops import ops_for
 from kiln.models.layers.parallel import (
     SINGLE,
     TensorParallel,
-    check_row_shardable,
+    check_row_formats,
     check_tensor_parallel,
 )
 from kiln.models.loader import load_model, read_hf_config
@@ -165,12 +165,13 @@ class ModelRunner:
         size = parallel.tensor_parallel_size
         if size == 1 or ranks is not None:
             return None
-        if model_config.quantization is not None:
-            check_row_shardable(get_linear_method(model_config.quantization))
-        _, arch = resolve_architecture(read_hf_config(model_path))
+        _, arch = resolve_architecture(hf_config := read_hf_config(model_path))
         check_tensor_parallel(size, arch.num_heads, arch.num_kv_heads, arch.intermediate_size)
         if getattr(arch, "moe", None) is not None:  # a MoE family's experts over the ranks
             check_expert_parallel(arch.moe, size, ExpertParallelOptions.from_parallel(parallel))
+        check_row_formats(size, hf_config, model_config.quantization,
+                          {"o_proj": arch.num_heads * arch.head_dim,
+                           "down_proj": arch.intermediate_size})
         log.info("tensor parallel over %d ranks: decoder layers run one call each (the fused "
                  "stack has no collective)", size)
         return Leader.start(model_config, model_path, cache, parallel)

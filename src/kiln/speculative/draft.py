@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.config import ParallelConfig
 from kiln.engine.kv_manager import KVCacheManager
 from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -40,6 +41,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 class _Shadow:
     request: Request  # verified tokens only; num_computed_tokens = positions with draft KV
     drafted: list[int] = dataclasses.field(default_factory=list)  # computed beyond verified
+
+
+def _draft_parallel(ctx: ProposerContext) -> ParallelConfig:
+    """A tensor-parallel target's draft runs in rank 0's process alone, at its threads (torch's
+    count is per process): a draft model is small, and its drafts are tokens, which every
+    rank's verify step takes (docs/parallelism.md)."""
+    if ctx.parallel.tensor_parallel_size == 1:
+        return ctx.parallel
+    return ParallelConfig(num_threads=torch.get_num_threads())
 
 
 @register_proposer("draft")
@@ -57,7 +67,7 @@ class DraftModelProposer:
         model_config = dataclasses.replace(ctx.model, model=config.model,
                                            quantization="int8" if self.int8 else None)
         # the draft's weights and KV on the target's device (its runner's platform)
-        self.runner = ModelRunner(model_config, config.model, ctx.cache, ctx.parallel,
+        self.runner = ModelRunner(model_config, config.model, ctx.cache, _draft_parallel(ctx),
                                   ctx.eos_token_ids)
         if self.runner.vocab_size != ctx.target.vocab_size:
             raise ValueError(f"draft model {config.model} has a vocabulary of "
@@ -69,7 +79,9 @@ class DraftModelProposer:
         self.shadows: dict[str, _Shadow] = {}
         self._finished: list[str] = []
         self.vocab, self.lm = self._draft_vocab(Path(config.model))
-        if self.vocab is not None and config.verify_shortlist:
+        # (the shortlist reads the target's whole LM head: one process only)
+        if (self.vocab is not None and config.verify_shortlist
+                and ctx.parallel.tensor_parallel_size == 1):
             from kiln.speculative.head.model import lm_head_rows, packed_linear
             from kiln.speculative.shortlist import Shortlist
 

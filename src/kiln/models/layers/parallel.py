@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.distributed.communicator import Communicator
-from kiln.models.layers.linear import Linear, LinearMethod, StackTensors
+from kiln.models.layers.linear import Linear, LinearMethod, StackTensors, get_linear_method
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,10 @@ def take_rows(tensor: torch.Tensor, rows: slice, size: int) -> torch.Tensor:
 class ColumnParallel:
     """A LinearMethod keeping some output rows of each shard: `rows[i]` of the checkpoint's
     tensors for output shard i (every tensor a format stores is indexed by output row first:
-    weights, biases, per-row scales). The layer is built with this rank's shard sizes."""
+    weights, biases, per-row and per-group scales). The layer is built with this rank's shard
+    sizes. A method that stores a weight in a format of its own splits it itself (`rank_rows`,
+    kiln.quant's methods: a per-tensor scale stays whole, a dense weight is quantized whole
+    first)."""
 
     def __init__(self, inner: LinearMethod, rows: tuple[slice, ...]):
         self.inner, self.rows = inner, rows
@@ -148,8 +151,12 @@ class ColumnParallel:
         self.inner.create_weights(layer, in_features, out_shards, bias, dtype)
 
     def load_shard(self, layer: Linear, shard, name, tensor):
-        part = take_rows(tensor, self.rows[shard], layer.out_shards[shard])
-        self.inner.load_shard(layer, shard, name, part)
+        rows, size = self.rows[shard], layer.out_shards[shard]
+        split = getattr(self.inner, "rank_rows", None)
+        parts = ({name: take_rows(tensor, rows, size)} if split is None
+                 else split(name, tensor, rows, size))
+        for key, value in parts.items():
+            self.inner.load_shard(layer, shard, key, value)
 
     def finalize(self, layer):
         self.inner.finalize(layer)
@@ -164,32 +171,43 @@ class ColumnParallel:
         return None
 
 
-_DENSE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+def check_row_shardable(method: LinearMethod, in_features: int | None = None,
+                        world: int = 2) -> None:
+    """ValueError unless `method`'s weights split into `world` ranges of input columns with
+    one process's numbers. Dense weights always do; a method storing its own format says
+    (`check_rank_columns`, kiln.quant's methods: whole groups per rank, and no activation
+    scale over the whole row). `in_features` None: the checks that hold for any size (rank 0
+    runs them before any process starts)."""
+    check = getattr(method, "check_rank_columns", None)
+    if check is not None:
+        check(world, in_features)
 
 
-def check_row_shardable(method: LinearMethod) -> None:
-    """ValueError unless `method`'s weights split by input columns: dense, or a quantized
-    format (kiln.quant, which gives its methods a `fmt`) with one scale per output row and
-    weight-only (int8, fp8). Group-wise and per-tensor scales, and activations quantized per
-    token, would each be computed over one rank's columns: other numbers than one process's."""
-    fmt = getattr(method, "fmt", None)
-    if fmt is None:
-        return
-    layout = {t.name: t.cols for t in fmt.storage(2, 4)}
-    if layout != {"weight": 4, "weight_scale": 1} or getattr(method, "act_quant", False):
-        name = fmt.name + ("-dyn" if getattr(method, "act_quant", False) else "")
-        raise ValueError(f"weight format {name!r} cannot be split across tensor-parallel "
-                         f"ranks (only per-row scaled weight-only formats: int8, fp8)")
+def check_row_formats(size: int, hf_config: dict, quantization: str | None,
+                      row_inputs: dict[str, int]) -> None:
+    """Before any rank starts: ValueError where a row-parallel layer's weight format cannot
+    split its inputs over `size` ranks. `row_inputs`: each row-parallel projection's last
+    name (o_proj, down_proj) -> its number of inputs. The formats: a kiln quantized
+    checkpoint's own per-layer ones, else `quantization` (the loader's choice; each layer is
+    checked again as it is built)."""
+    layer_formats: dict[str, str] = (hf_config.get("quantization_config") or {}).get(
+        "kiln_layer_formats", {})
+    wanted = {(fmt, row_inputs[name.rsplit(".", 1)[-1]]) for name, fmt in layer_formats.items()
+              if name.rsplit(".", 1)[-1] in row_inputs and fmt != "dense"}
+    if not layer_formats and quantization is not None:
+        wanted = {(quantization, n) for n in row_inputs.values()}
+    for name, in_features in sorted(wanted):
+        check_row_shardable(get_linear_method(name), in_features, size)
 
 
 class RowParallel:
     """A LinearMethod keeping input columns `cols` of W; `apply` all-reduces the partial sums.
-    The bias joins once, on rank 0 (the other ranks keep it zero). A quantized weight keeps
-    its rows' scales whole: a dense checkpoint tensor is quantized over full rows first, then
-    its codes are cut, so every rank's codes and scales are one process's."""
+    The bias joins once, on rank 0 (the other ranks keep it zero). A method storing its own
+    format splits its tensors itself (`rank_columns`): a quantized weight keeps its rows' and
+    groups' scales as one process has them (kiln.quant.sharding)."""
 
     def __init__(self, inner: LinearMethod, cols: slice, comm: Communicator):
-        check_row_shardable(inner)
+        check_row_shardable(inner, (cols.stop - cols.start) * comm.world_size, comm.world_size)
         self.inner, self.cols, self.comm = inner, cols, comm
 
     def create_weights(self, layer, in_features, out_shards, bias, dtype):
@@ -200,20 +218,16 @@ class RowParallel:
             if self.comm.rank == 0:
                 self.inner.load_shard(layer, shard, name, tensor)
             return
-        fmt = getattr(self.inner, "fmt", None)
-        if fmt is not None and name == "weight" and tensor.dtype in _DENSE:
-            stored = fmt.quantize(tensor)  # over full rows: the scales one process has
-        else:
-            stored = {name: tensor}
-        for key, value in stored.items():
-            self.inner.load_shard(layer, shard, key, self._columns(key, value))
+        split = getattr(self.inner, "rank_columns", None)
+        parts = ({name: self._columns(name, tensor)} if split is None
+                 else split(name, tensor, self.cols))
+        for key, value in parts.items():
+            self.inner.load_shard(layer, shard, key, value)
 
     def _columns(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a stored tensor: the weight's columns; a per-row scale whole."""
+        """This rank's columns of a dense weight."""
         if name == "weight" and tensor.dim() == 2:
             return tensor[:, self.cols]
-        if name == "weight_scale" and tensor.dim() == 2 and tensor.shape[1] == 1:
-            return tensor
         raise ValueError(f"row-parallel linear: cannot split checkpoint tensor {name!r} "
                          f"{tuple(tensor.shape)} by input columns")
 

@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from torch import nn
 
 from kiln.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kiln.models.layers.attention import SeqLayout
 from kiln.models.layers.rotary import RotaryEmbedding
+from kiln.models.loader import weight_files
 from kiln.platform import KernelSet
 from kiln.runner.fused_stack import stack_attention_args
 from kiln.speculative.head.kv import DraftRows, HeadKV
@@ -99,6 +103,23 @@ class _Pending:
         self.end = self.start + sum(len(f) for f in kept)
 
 
+def whole_vocab_tables(model_path: str, dtype: torch.dtype, device: torch.device,
+                       ids: torch.Tensor) -> tuple[nn.Embedding, torch.Tensor]:
+    """A tensor-parallel target's whole token embedding and its LM head rows `ids` ([Vd, H]; the
+    embedding's when tied), read from its checkpoint: rank 0's model holds only its share of
+    the vocabulary, and its embedding's lookup is a collective the other ranks do not join."""
+    names = ("model.embed_tokens.weight", "lm_head.weight")
+    found: dict[str, torch.Tensor] = {}
+    for file in weight_files(Path(model_path)):
+        with safe_open(str(file), framework="pt") as f:
+            found.update({n: f.get_tensor(n) for n in names if n in f.keys()})
+    if names[0] not in found:
+        raise ValueError(f"{model_path}: no {names[0]} for the EAGLE-style head's embedding")
+    embed = found[names[0]].to(device=device, dtype=dtype)
+    lm = found.get(names[1], embed).to(device=device, dtype=dtype)
+    return nn.Embedding.from_pretrained(embed, freeze=True), lm[ids].contiguous()
+
+
 @register_proposer("head")
 class HeadProposer:
     def __init__(self, config, ctx: ProposerContext):
@@ -115,10 +136,14 @@ class HeadProposer:
                              f"target has {arch.hidden_size} and {arch.vocab_size}")
         self.target, self.block_size, self.device = runner, ctx.cache.block_size, runner.device
         self.min_prob, self.tree_size = config.tree_min_prob or None, config.tree_size
-        self.embed = model.model.embed_tokens
-        self.lm = packed_linear(lm_head_rows(model, self.head.draft_vocab), config.speculator_int8,
-                                runner.platform)
-        if config.verify_shortlist:  # the same rows guess the target's choices in verification
+        sharded = ctx.parallel.tensor_parallel_size > 1
+        self.embed, rows = (whole_vocab_tables(ctx.model_path, runner.dtype, runner.device,
+                                               self.head.draft_vocab) if sharded else
+                            (model.model.embed_tokens, lm_head_rows(model, self.head.draft_vocab)))
+        self.lm = packed_linear(rows, config.speculator_int8, runner.platform)
+        # the same rows guess the target's choices in verification (in one process: the
+        # shortlist's LM head rows would skip a tensor-parallel step's logits gather)
+        if config.verify_shortlist and not sharded:
             runner.shortlist = Shortlist(self.head.draft_vocab, self.lm)
         self.rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                       c.rope_scaling, runner.dtype).to(runner.device)
