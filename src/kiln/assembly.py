@@ -41,10 +41,11 @@ def check_parallel_features(config: EngineConfig) -> None:
     """ValueError for a feature that tensor parallelism does not serve: a draft model or head
     reads the target's whole LM head and KV heads, which no rank holds (n-gram lookup drafts
     are tokens of the step, and work)."""
-    size, spec = config.parallel.tensor_parallel_size, config.speculative
-    if size > 1 and spec is not None and spec.method != "ngram":
-        raise ValueError(f"speculative method {spec.method!r} with tensor_parallel_size "
-                         f"{size}: only ngram drafts work across ranks")
+    p, spec = config.parallel, config.speculative
+    for name, size in (("tensor", p.tensor_parallel_size), ("pipeline", p.pipeline_parallel_size)):
+        if size > 1 and spec is not None and spec.method != "ngram":
+            raise ValueError(f"speculative method {spec.method!r} with {name}_parallel_size "
+                             f"{size}: only ngram drafts work across ranks")
 
 
 def register_plugins() -> None:

@@ -119,6 +119,14 @@ class ParallelConfig:
     tensor_parallel_size: int = field(default=1, metadata=doc(
         "rank processes one engine's layers are split across (tensor parallelism, this "
         "machine, gloo)"))
+    # pipeline parallelism (docs/parallelism.md): the decoder layers split into P contiguous
+    # stages, one rank process each, activations passed stage to stage
+    pipeline_parallel_size: int = field(default=1, metadata=doc(
+        "rank processes one engine's layers are split across in contiguous stages (pipeline "
+        "parallelism, this machine, gloo)"))
+    pipeline_micro_batches: int | None = field(default=None, metadata=doc(
+        "micro-batches each step's sequences are split into, so the stages overlap",
+        none_means="2 x pipeline_parallel_size (at most one per sequence)"))
     all_reduce: Literal["auto", "gloo", "shm"] = field(default="auto", metadata=doc(
         "the ranks' all-reduce: shm (shared memory, this machine), gloo (TCP), or auto: shm "
         "where kiln's kernels build and it exists, else gloo"))
@@ -135,6 +143,22 @@ class ParallelConfig:
                              f"{self.tensor_parallel_size}")
         if self.dist_timeout_s <= 0:
             raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        p, t, m = self.pipeline_parallel_size, self.tensor_parallel_size, self.pipeline_micro_batches
+        if p < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {p}")
+        if m is not None and m < 1:
+            raise ValueError(f"pipeline_micro_batches must be >= 1, got {m}")
+        if p > 1 and t > 1:
+            raise ValueError(f"tensor_parallel_size {t} with pipeline_parallel_size {p}: "
+                             f"the two together are not built yet; use one of them")
+
+    @property
+    def world_size(self) -> int:
+        """Rank processes of one engine."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -234,11 +258,11 @@ class WorkerConfig:
             raise ValueError(f"worker_id must be non-empty without '.', got {self.worker_id!r}")
         if not 0 < self.pull_timeout_s <= 30 or not 0 < self.hold_timeout_s <= 30:
             raise ValueError("pull_timeout_s and hold_timeout_s must be in (0, 30]")
-        if self.role != "both" and self.engine.parallel.tensor_parallel_size > 1:
+        if self.role != "both" and self.engine.parallel.world_size > 1:
             raise ValueError(f"a {self.role} worker moves KV blocks to other workers, which "
-                             f"tensor parallelism does not support yet (each rank holds only "
-                             f"its heads): use tensor_parallel_size 1, got "
-                             f"{self.engine.parallel.tensor_parallel_size}")
+                             f"tensor or pipeline parallelism does not support yet (each rank "
+                             f"holds only its heads or layers): use one rank, got "
+                             f"{self.engine.parallel.world_size}")
 
 
 @dataclass(frozen=True)

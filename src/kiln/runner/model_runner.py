@@ -6,11 +6,14 @@ sample (and verify draft tokens) and compute logprobs.
 
 With tensor parallelism (`parallel.tensor_parallel_size` > 1) this runner is rank 0: it
 starts the other ranks (kiln.runner.rank_loop) and tells them each step before running its
-own part; a following rank's runner (built with `ranks`) runs `follow_step` instead.
+own part; a following rank's runner (built with `ranks`) runs `follow_step` instead. With
+pipeline parallelism (`pipeline_parallel_size` > 1) each rank holds one stage's layers and
+runs them through kiln.runner.pipeline; rank 0 is the last stage.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -38,6 +41,13 @@ from kiln.runner.batch import BatchInputs, LogitsRows, build_batch
 from kiln.runner.cuda_graphs import DecodeGraphs, GraphBackend, capture_sizes
 from kiln.runner.device_memory import DeviceMemory, activation_reserve, gpu_kv_blocks, measure
 from kiln.runner.hooks import NoGrammar, StepGrammar, StepGrammarFactory, VerifyShortlist
+from kiln.runner.pipeline import (
+    StageRunner,
+    check_stages,
+    kv_budget_layers,
+    num_micro_batches,
+    pipeline_stage,
+)
 from kiln.runner.rank_loop import AllocateKV, Leader, MoveSlots, RunStep, step_seqs
 from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs, take_rows
 from kiln.runner.verify import VerifyGroup, verify
@@ -103,7 +113,7 @@ class ModelRunner:
                  parallel: ParallelConfig, eos_token_ids: frozenset[int],
                  ranks: RankGroup | None = None):
         """`ranks`: this is a following rank of a tensor-parallel engine (rank_loop.main)."""
-        size = parallel.tensor_parallel_size
+        size = parallel.world_size
         torch.set_num_threads(parallel.num_threads or (
             default_num_threads() if size == 1 else default_threads_per_rank(size)))
         self.platform = Platform.detect(model_config)
@@ -115,10 +125,14 @@ class ModelRunner:
         self.leader = self._start_ranks(model_config, model_path, cache, parallel, ranks)
         if self.leader is not None:
             ranks = self.leader.group
-        tp = SINGLE if ranks is None else TensorParallel(ranks.comm)
+        tp = SINGLE if ranks is None or ranks.comm is None else TensorParallel(ranks.comm)
+        pipe = None if ranks is None else ranks.pipe
+        arch = resolve_architecture(read_hf_config(model_path))[1]
         loaded = load_model(model_path, self.dtype, self.backend, model_config.quantization,
                             self.platform.linear_backend, self.ops,
-                            tp=None if ranks is None else tp)
+                            tp=None if ranks is None else tp,
+                            stage=None if pipe is None else pipeline_stage(
+                                parallel, ranks.rank, arch.num_layers))
         # built and loaded on the CPU (the LinearMethod contract), then on the platform's device
         self.model, self.hf_config = loaded.model.to(self.device), loaded.hf_config
         # the decoder stack as one call where the platform and every layer allow it
@@ -128,6 +142,15 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec(arch.num_layers, tp.heads(arch.num_heads,
                                                              arch.num_kv_heads).kv,
                                    arch.head_dim, self.dtype, cache.block_size)
+        self.kv_layers = arch.num_layers  # layers this rank allocates KV for
+        # pipeline parallelism: this rank's stage of each step (kiln.runner.pipeline)
+        self.stages = None if pipe is None else StageRunner(
+            self.model, self.backend, pipe, num_micro_batches(parallel), cache.block_size,
+            self.device, self.dtype)
+        if self.stages is not None:  # KV for its layers, blocks sized for the largest stage
+            self.kv_layers = len(self.model.stage.layers)
+            self.kv_spec = dataclasses.replace(
+                self.kv_spec, num_layers=kv_budget_layers(parallel, arch.num_layers))
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(arch.vocab_size, eos_token_ids, model_config.seed, self.device)
         self._generators: dict[str, torch.Generator] = {}
@@ -142,7 +165,7 @@ class ModelRunner:
         # enforce_eager, with a backend that can be captured; their padding rows write to a
         # scratch block allocated past the pool's blocks
         self.use_graphs = (self.device.type == "cuda" and not model_config.enforce_eager
-                           and isinstance(self.backend, GraphBackend))
+                           and isinstance(self.backend, GraphBackend) and self.stages is None)
         self.graphs: DecodeGraphs | None = None
 
     @staticmethod
@@ -150,9 +173,13 @@ class ModelRunner:
                      parallel: ParallelConfig, ranks: RankGroup | None) -> Leader | None:
         """Rank 0 of a tensor-parallel engine: check the model splits (before any process
         starts), start the other ranks and join them. None for one process or a follower."""
-        size = parallel.tensor_parallel_size
+        size = parallel.world_size
         if size == 1 or ranks is not None:
             return None
+        if parallel.pipeline_parallel_size > 1:
+            model_class, arch = resolve_architecture(read_hf_config(model_path))
+            check_stages(parallel, model_class, arch.num_layers)
+            return Leader.start(model_config, model_path, cache, parallel)
         if model_config.quantization is not None:
             check_row_shardable(get_linear_method(model_config.quantization))
         _, arch = resolve_architecture(read_hf_config(model_path))
@@ -186,7 +213,7 @@ class ModelRunner:
         self.graphs, self.pool_blocks = None, num_blocks  # graphs hold the old caches
         shape = ((num_blocks + self.use_graphs) * s.block_size, s.num_kv_heads, s.head_dim)
         self.kv_caches = []
-        for _ in range(s.num_layers):
+        for _ in range(self.kv_layers):
             k = torch.empty(shape, dtype=s.dtype, device=self.device)
             v = torch.empty(shape, dtype=s.dtype, device=self.device)
             k[:s.block_size].zero_()
@@ -236,8 +263,10 @@ class ModelRunner:
         self.release(sched.finished_ids)
         batch = build_batch(sched, self.device)
         if self.leader is not None:
-            rows = batch.logits_index.tolist() if logits else None
+            rows = batch.logits_index.tolist() if logits and self.stages is None else None
             self.leader.send(RunStep(step_seqs(sched), rows))
+        if self.stages is not None:  # this rank's stage over the step's micro-batches
+            return batch, self.stages.run(sched, self.kv_caches)
         size = self.graphs.bucket(sched, batch) if self.graphs is not None else None
         if size is not None:
             slots = slot_mapping_for(batch.layout, batch.slot_positions, self.kv_spec.block_size)

@@ -1,0 +1,118 @@
+"""Pipeline parallelism's step: every stage runs its layers over the step's micro-batches.
+
+Each rank holds one stage's contiguous decoder layers (kiln.models.layers.pipeline) and the
+KV cache of those layers only. Rank 0 broadcasts the step (kiln.runner.rank_loop.RunStep) to
+every stage, and each splits it the same way (`micro_batches`: contiguous groups of
+sequences of about equal tokens). Then, per micro-batch m in order:
+
+    first stage:  embed -> its layers -> send (x, residual) to the next stage
+    other stages: receive (x, residual) -> its layers -> send on, or, on the last stage
+                  (rank 0), the final norm: the hidden states of micro-batch m
+
+so stage s works on micro-batch m while stage s + 1 works on m - 1: with M micro-batches
+and P stages a step takes M + P - 1 slots of one micro-batch's stage time where one process
+takes M x P. Micro-batches of one step are independent (different sequences), and a
+sequence's chunks stay in step order on every stage, so the KV each stage writes and reads
+is what one process would. The last stage's hidden states, concatenated in micro-batch
+order, are the whole step's flat batch; rank 0 computes the logits and samples as one
+process does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.config import ParallelConfig
+from kiln.distributed.pipe import PendingReceive, StagePipe
+from kiln.engine.contract import SchedulerOutput
+from kiln.models.layers.pipeline import PipelineStage, check_pipeline, split_layers, stage_of
+from kiln.runner.batch import build_batch
+
+
+def micro_batches(sched: SchedulerOutput, count: int) -> list[SchedulerOutput]:
+    """The step's sequences in min(count, sequences) contiguous, non-empty groups of about
+    equal token counts; concatenated in order they are the step's flat batch."""
+    items = sched.scheduled
+    count = min(count, len(items))
+    total = sum(len(item.token_ids) for item in items)
+    groups: list[list] = []
+    current: list = []
+    done = 0
+    for k, item in enumerate(items):
+        current.append(item)
+        done += len(item.token_ids)
+        groups_after = count - len(groups) - 1
+        items_after = len(items) - k - 1
+        if groups_after and (done * count >= total * (len(groups) + 1)
+                             or items_after == groups_after):
+            groups.append(current)
+            current = []
+    groups.append(current)
+    return [SchedulerOutput(g, sum(len(item.token_ids) for item in g)) for g in groups]
+
+
+def num_micro_batches(parallel: ParallelConfig) -> int:
+    return parallel.pipeline_micro_batches or 2 * parallel.pipeline_parallel_size
+
+
+def check_stages(parallel: ParallelConfig, model_class: type, num_layers: int) -> None:
+    """ValueError naming the numbers where the model cannot run in these stages."""
+    size = parallel.pipeline_parallel_size
+    if not hasattr(model_class, "holds_tensor"):
+        raise ValueError(f"pipeline_parallel_size {size}: {model_class.__name__} cannot be "
+                         f"split into stages yet; use 1")
+    check_pipeline(size, num_layers)
+
+
+def pipeline_stage(parallel: ParallelConfig, rank: int, num_layers: int) -> PipelineStage:
+    """The stage rank `rank` runs (rank 0: the last; kiln.distributed.pipe)."""
+    size = parallel.pipeline_parallel_size
+    return stage_of((rank - 1) % size, size, num_layers)
+
+
+def kv_budget_layers(parallel: ParallelConfig, num_layers: int) -> int:
+    """Layers of the largest stage: the KV block count is sized for it, so that no rank
+    holds more than the configured KV memory."""
+    return len(split_layers(num_layers, parallel.pipeline_parallel_size)[0])
+
+
+class StageRunner:
+    """One rank's stage of every step (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, backend, pipe: StagePipe, count: int,
+                 block_size: int, device: torch.device, dtype: torch.dtype):
+        self.model, self.backend, self.pipe = model, backend, pipe
+        self.stage: PipelineStage = model.stage
+        self.count, self.block_size = count, block_size
+        self.device, self.dtype = device, dtype
+
+    def run(self, sched: SchedulerOutput,
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """This stage's part of the step (KV written); the last stage returns the step's
+        final hidden states [T, H], the others None once their sends have gone."""
+        parts = micro_batches(sched, self.count)
+        received = None if self.stage.is_first else self._post_receives(parts)
+        hidden = []
+        for m, part in enumerate(parts):
+            batch = build_batch(part, self.device)
+            meta = self.backend.build_metadata(batch.layout, batch.slot_positions,
+                                               self.block_size)
+            if received is None:
+                x, residual = self.model.embed(batch.input_ids), None
+            else:
+                x, residual = self.pipe.wait(received[m]).to(self.device).unbind(0)
+            x, residual = self.model.run_layers(x, residual, batch.positions, kv_caches, meta)
+            if self.stage.is_last:
+                hidden.append(self.model.final_norm(x, residual))
+            else:
+                self.pipe.send_next(torch.stack((x, residual)).cpu(), m)  # (gloo: CPU)
+        self.pipe.flush()
+        return torch.cat(hidden) if self.stage.is_last else None
+
+    def _post_receives(self, parts: list[SchedulerOutput]) -> list[PendingReceive]:
+        """Every micro-batch's receive, posted before the first is waited on: [2, T_m, H]
+        (x and the residual stream), in CPU memory (gloo's)."""
+        hidden_size = self.model.arch.hidden_size
+        return [self.pipe.post_receive(
+            torch.empty(2, part.num_batched_tokens, hidden_size, dtype=self.dtype), m)
+            for m, part in enumerate(parts)]
