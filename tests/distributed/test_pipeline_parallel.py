@@ -2,9 +2,9 @@
 
 Engines are built once per module where several tests share one (a stage process takes
 seconds to start): a tiny Llama (tied embeddings: both stages hold the table) drafting n-gram
-lookups (the last test kills its first stage, so it runs last), and a 3-layer Qwen2 (untied LM head, q/k/v biases; 2 + 1 layers: an uneven split) on
-a KV budget small enough to preempt. The mixture-of-experts families run the same layer code
-through a stage.
+lookups (the last test kills its first stage, so it runs last), and a 3-layer Qwen2 in int8
+(untied LM head, q/k/v biases; 2 + 1 layers: an uneven split) on a KV budget small enough to
+preempt. The mixture-of-experts families run the same layer code through a stage.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ def llama_pair(tiny_ckpt):
 def qwen2_small(tiny_ckpt):
     """(one process, 2 stages on 8 KV blocks of the 2-layer stage): preemption and n > 1."""
     path = tiny_ckpt("qwen2", num_hidden_layers=3)
-    one = LLM(path, **SETTINGS)
+    one = LLM(path, **SETTINGS, quantization="int8")  # quantized on load, layer by layer
     block = one.engine.runner.kv_spec.bytes_per_block * 2 // 3  # the 2-layer stage's
-    two = pipeline_engine(path, kv_cache_memory=8 * block)
+    two = pipeline_engine(path, kv_cache_memory=8 * block, quantization="int8")
     yield one, two
     two.close()
 

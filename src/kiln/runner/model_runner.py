@@ -127,12 +127,11 @@ class ModelRunner:
             ranks = self.leader.group
         tp = SINGLE if ranks is None or ranks.comm is None else TensorParallel(ranks.comm)
         pipe = None if ranks is None else ranks.pipe
-        arch = resolve_architecture(read_hf_config(model_path))[1]
         loaded = load_model(model_path, self.dtype, self.backend, model_config.quantization,
                             self.platform.linear_backend, self.ops,
                             tp=None if ranks is None else tp,
                             stage=None if pipe is None else pipeline_stage(
-                                parallel, ranks.rank, arch.num_layers))
+                                parallel, ranks.rank, model_path))
         # built and loaded on the CPU (the LinearMethod contract), then on the platform's device
         self.model, self.hf_config = loaded.model.to(self.device), loaded.hf_config
         # the decoder stack as one call where the platform and every layer allow it

@@ -23,9 +23,11 @@ from __future__ import annotations
 import torch
 
 from kiln.config import ParallelConfig
-from kiln.distributed.pipe import PendingReceive, StagePipe
+from kiln.distributed.pipe import PendingReceive, StagePipe, stage_of_rank
 from kiln.engine.contract import SchedulerOutput
 from kiln.models.layers.pipeline import PipelineStage, check_pipeline, split_layers, stage_of
+from kiln.models.loader import read_hf_config
+from kiln.models.registry import resolve_architecture
 from kiln.runner.batch import build_batch
 
 
@@ -64,10 +66,11 @@ def check_stages(parallel: ParallelConfig, model_class: type, num_layers: int) -
     check_pipeline(size, num_layers)
 
 
-def pipeline_stage(parallel: ParallelConfig, rank: int, num_layers: int) -> PipelineStage:
+def pipeline_stage(parallel: ParallelConfig, rank: int, model_path: str) -> PipelineStage:
     """The stage rank `rank` runs (rank 0: the last; kiln.distributed.pipe)."""
     size = parallel.pipeline_parallel_size
-    return stage_of((rank - 1) % size, size, num_layers)
+    _, arch = resolve_architecture(read_hf_config(model_path))
+    return stage_of(stage_of_rank(rank, size), size, arch.num_layers)
 
 
 def kv_budget_layers(parallel: ParallelConfig, num_layers: int) -> int:

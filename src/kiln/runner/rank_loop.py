@@ -129,8 +129,8 @@ class Leader:
         size, timeout = parallel.world_size, parallel.dist_timeout_s
         pipeline = parallel.pipeline_parallel_size > 1
         threads = parallel.num_threads or default_threads_per_rank(size)
-        # rank 0 decides "auto" for all: every rank must sum the same way
-        parallel = dataclasses.replace(parallel, all_reduce=resolve_all_reduce(parallel))
+        if not pipeline:  # rank 0 decides "auto" for all: every rank must sum the same way
+            parallel = dataclasses.replace(parallel, all_reduce=resolve_all_reduce(parallel))
         store = open_store(size, timeout)
         processes = []
         for rank in range(1, size):
@@ -147,9 +147,10 @@ class Leader:
             _kill(processes)
             raise RankFailure(f"{'pipeline' if pipeline else 'tensor'}-parallel ranks did not "
                               f"start (exit codes {codes}): {exc}") from exc
-        log.info("%s parallel: %d ranks, %d threads each, all-reduce %s, gloo over "
-                 "127.0.0.1:%d", "pipeline" if pipeline else "tensor", size, threads,
-                 parallel.all_reduce, store.port)
+        log.info("%s parallel: %d ranks, %d threads each, %s, gloo over 127.0.0.1:%d",
+                 "pipeline" if pipeline else "tensor", size, threads,
+                 "stage to stage" if pipeline else f"all-reduce {parallel.all_reduce}",
+                 store.port)
         return cls(group, processes, store)
 
     def send(self, command: RankCommand) -> None:
