@@ -19,7 +19,9 @@ from kiln import LLM, SamplingParams
 from kiln.config import ParallelConfig
 from kiln.distributed.communicator import RankFailure
 from kiln.engine.contract import ScheduledRequest, SchedulerOutput
-from kiln.runner.pipeline import micro_batches
+from kiln.models.layers.pipeline import split_layers
+from kiln.models.llama import LlamaArch
+from kiln.runner.pipeline import head_cost, micro_batches
 from tests.distributed.test_tensor_parallel import PROMPTS, SETTINGS, assert_same
 from tests.parity.test_moe_parity import make_tiny_moe
 
@@ -129,6 +131,26 @@ def test_speculation_from_a_model_is_refused(tiny_ckpt):
                                          "pipeline_parallel_size 2: only ngram"):
         LLM(tiny_ckpt("llama"), **SETTINGS, pipeline_parallel_size=2,
             speculator=tiny_ckpt("llama"))
+
+
+@pytest.mark.parametrize(("layers", "count", "head", "sizes"), [
+    (22, 2, 0.0, [11, 11]),
+    (5, 2, 0.0, [3, 2]),  # the first stage takes the odd layer
+    (30, 2, 8.0, [19, 11]),  # the LM head is worth 8 layers: the last stage takes fewer
+    (10, 3, 2.0, [4, 4, 2]),
+    (2, 2, 9.0, [1, 1]),  # every stage keeps one layer
+    (4, 1, 3.0, [4]),
+])
+def test_layers_split_into_stages_of_equal_work(layers, count, head, sizes):
+    stages = split_layers(layers, count, head)
+    assert [len(s) for s in stages] == sizes
+    assert [i for s in stages for i in s] == list(range(layers))  # contiguous, in order
+
+
+def test_head_cost_counts_the_head_in_layers():
+    # SmolLM2-135M's shape: a 49K-vocabulary head does ~8 layers' multiply-adds per token
+    smol = LlamaArch(576, 1536, 30, 9, 3, 64, 49152, 1e-5, 1e5, None, 8192, True, False, False)
+    assert 7.5 < head_cost(smol) < 8.5
 
 
 def _step(*lengths: int) -> SchedulerOutput:

@@ -149,7 +149,7 @@ class ModelRunner:
         if self.stages is not None:  # KV for its layers, blocks sized for the largest stage
             self.kv_layers = len(self.model.stage.layers)
             self.kv_spec = dataclasses.replace(
-                self.kv_spec, num_layers=kv_budget_layers(parallel, arch.num_layers))
+                self.kv_spec, num_layers=kv_budget_layers(parallel, arch))
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(arch.vocab_size, eos_token_ids, model_config.seed, self.device)
         self._generators: dict[str, torch.Generator] = {}

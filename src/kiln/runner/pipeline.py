@@ -26,6 +26,7 @@ from kiln.config import ParallelConfig
 from kiln.distributed.pipe import PendingReceive, StagePipe, stage_of_rank
 from kiln.engine.contract import SchedulerOutput
 from kiln.models.layers.pipeline import PipelineStage, check_pipeline, split_layers, stage_of
+from kiln.models.llama import LlamaArch
 from kiln.models.loader import read_hf_config
 from kiln.models.registry import resolve_architecture
 from kiln.runner.batch import build_batch
@@ -70,13 +71,23 @@ def pipeline_stage(parallel: ParallelConfig, rank: int, model_path: str) -> Pipe
     """The stage rank `rank` runs (rank 0: the last; kiln.distributed.pipe)."""
     size = parallel.pipeline_parallel_size
     _, arch = resolve_architecture(read_hf_config(model_path))
-    return stage_of(stage_of_rank(rank, size), size, arch.num_layers)
+    return stage_of(stage_of_rank(rank, size), size, arch.num_layers, head_cost(arch))
 
 
-def kv_budget_layers(parallel: ParallelConfig, num_layers: int) -> int:
+def kv_budget_layers(parallel: ParallelConfig, arch: LlamaArch) -> int:
     """Layers of the largest stage: the KV block count is sized for it, so that no rank
     holds more than the configured KV memory."""
-    return len(split_layers(num_layers, parallel.pipeline_parallel_size)[0])
+    stages = split_layers(arch.num_layers, parallel.pipeline_parallel_size, head_cost(arch))
+    return max(len(layers) for layers in stages)
+
+
+def head_cost(arch: LlamaArch) -> float:
+    """The LM head's multiply-adds per token, in dense decoder layers' (q, k, v and o, and
+    the SwiGLU MLP; attention over the context not counted)."""
+    h = arch.hidden_size
+    layer = 2 * h * arch.head_dim * (arch.num_heads + arch.num_kv_heads) \
+        + 3 * h * arch.intermediate_size
+    return arch.vocab_size * h / layer
 
 
 class StageRunner:

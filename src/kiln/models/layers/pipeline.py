@@ -1,8 +1,9 @@
 """Pipeline parallelism in the model: which contiguous decoder layers a stage holds.
 
-A model of L decoder layers over P stages: stage s holds layers [start_s, stop_s), the first
-stages one more where P does not divide L (the last stage also computes the LM head and
-samples, so it gets the lighter share). The first stage holds the embedding, the last the
+A model of L decoder layers over P stages: stage s holds layers [start_s, stop_s). The last
+stage also runs the LM head (as much work per token as `head_cost` decoder layers: 8 for a
+135M model with a 49K vocabulary, 1.5 for a 1B one), so it takes that many fewer layers and
+the others share the rest evenly (earlier stages one more where it does not divide). The first stage holds the embedding, the last the
 final norm and the LM head (and, with tied embeddings, the embedding table its head is
 copied from). A model built with a stage loads only its own checkpoint tensors and the
 runner allocates KV for its own layers only.
@@ -35,20 +36,23 @@ class PipelineStage:
         return cls(0, 1, range(num_layers))
 
 
-def split_layers(num_layers: int, count: int) -> list[range]:
-    """Contiguous layer ranges of `count` stages; earlier stages take the remainder."""
+def split_layers(num_layers: int, count: int, head_cost: float = 0.0) -> list[range]:
+    """Contiguous layer ranges of `count` stages of about equal work, the LM head (on the
+    last) counting as `head_cost` layers; every stage holds at least one layer."""
     check_pipeline(count, num_layers)
-    base, extra = divmod(num_layers, count)
+    last = round((num_layers + head_cost) / count - head_cost)
+    last = min(max(1, last), num_layers - (count - 1))
+    base, extra = divmod(num_layers - last, count - 1) if count > 1 else (0, 0)
+    sizes = [base + (s < extra) for s in range(count - 1)] + [last]
     ranges, start = [], 0
-    for s in range(count):
-        stop = start + base + (s < extra)
-        ranges.append(range(start, stop))
-        start = stop
+    for size in sizes:
+        ranges.append(range(start, start + size))
+        start += size
     return ranges
 
 
-def stage_of(index: int, count: int, num_layers: int) -> PipelineStage:
-    return PipelineStage(index, count, split_layers(num_layers, count)[index])
+def stage_of(index: int, count: int, num_layers: int, head_cost: float = 0.0) -> PipelineStage:
+    return PipelineStage(index, count, split_layers(num_layers, count, head_cost)[index])
 
 
 def check_pipeline(count: int, num_layers: int) -> None:
