@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from kiln import LLM, SamplingParams
 from kiln.config import ParallelConfig
@@ -21,10 +22,12 @@ from kiln.distributed.communicator import RankFailure
 from kiln.engine.contract import ScheduledRequest, SchedulerOutput
 from kiln.models.layers.pipeline import split_layers
 from kiln.models.llama import LlamaArch
+from kiln.runner.batch import build_batch
 from kiln.runner.pipeline import head_cost, micro_batches
 from tests.distributed.test_tensor_parallel import PROMPTS, SETTINGS, assert_same
 from tests.parity.test_moe_parity import make_tiny_moe
 
+CPU = torch.device("cpu")
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, prompt_logprobs=0)
 TIMEOUT_S = 20
 
@@ -154,24 +157,33 @@ def test_head_cost_counts_the_head_in_layers():
 
 
 def _step(*lengths: int) -> SchedulerOutput:
-    items = [ScheduledRequest(str(i), [1] * n, 0, 0, [0], True, SamplingParams(), [], [], False)
-             for i, n in enumerate(lengths)]
+    """Sequences of `lengths` new tokens after 3 cached ones, token i being 100 * seq + i."""
+    items = [ScheduledRequest(str(s), [100 * s + i for i in range(n)], 3, 0, [0, 1, 2, 3], True,
+                              SamplingParams(), [], [], False)
+             for s, n in enumerate(lengths)]
     return SchedulerOutput(items, sum(lengths))
 
 
-@pytest.mark.parametrize(("lengths", "count", "groups"), [
+@pytest.mark.parametrize(("lengths", "count", "tokens"), [
     ((1,) * 8, 4, [2, 2, 2, 2]),  # decodes: equal groups
-    ((16, 1, 1, 1), 2, [1, 3]),  # a prefill chunk is a micro-batch of its own
-    ((1, 1, 16), 4, [1, 1, 1]),  # at most one per sequence, none empty
-    ((1, 1, 1, 16), 3, [2, 1, 1]),  # the long last sequence: the others fill the groups left
-    ((5,), 4, [1]),
+    ((16, 1, 1, 1), 2, [9, 10]),  # a prefill chunk cut in two
+    ((1, 1), 4, [1, 1]),  # none empty
+    ((40,), 4, [10, 10, 10, 10]),  # one long prompt's chunk: a pipeline of its own
 ])
-def test_micro_batches_split_by_tokens(lengths, count, groups):
-    parts = micro_batches(_step(*lengths), count)
-    assert [len(p.scheduled) for p in parts] == groups
-    assert [s for p in parts for s in p.scheduled] == _step(*lengths).scheduled
-    assert [p.num_batched_tokens for p in parts] == [
-        sum(len(s.token_ids) for s in p.scheduled) for p in parts]
+def test_micro_batches_split_the_flat_batch_by_tokens(lengths, count, tokens):
+    step = _step(*lengths)
+    parts = micro_batches(step, count)
+    assert [p.num_batched_tokens for p in parts] == tokens
+    whole, cut = build_batch(step, CPU), [build_batch(p, CPU) for p in parts]
+    assert torch.equal(torch.cat([b.input_ids for b in cut]), whole.input_ids)
+    assert torch.equal(torch.cat([b.positions for b in cut]), whole.positions)
+    assert [s.samples for p in parts for s in p.scheduled][-1]  # the last part samples
+
+
+def test_a_query_with_drafts_stays_whole():
+    step = _step(1, 5, 1)
+    step.scheduled[1].num_draft_tokens = 4  # a tree's attention bits span its whole query
+    assert [p.num_batched_tokens for p in micro_batches(step, 2)] == [6, 1]
 
 
 def test_a_killed_stage_fails_the_engine_fast(llama_pair):

@@ -2,8 +2,9 @@
 
 Each rank holds one stage's contiguous decoder layers (kiln.models.layers.pipeline) and the
 KV cache of those layers only. Rank 0 broadcasts the step (kiln.runner.rank_loop.RunStep) to
-every stage, and each splits it the same way (`micro_batches`: contiguous groups of
-sequences of about equal tokens). Then, per micro-batch m in order:
+every stage, and each splits it the same way (`micro_batches`: contiguous runs of the flat
+batch of about equal tokens, a long prefill chunk cut between them). Then, per micro-batch m
+in order:
 
     first stage:  embed -> its layers -> send (x, residual) to the next stage
     other stages: receive (x, residual) -> its layers -> send on, or, on the last stage
@@ -11,20 +12,23 @@ sequences of about equal tokens). Then, per micro-batch m in order:
 
 so stage s works on micro-batch m while stage s + 1 works on m - 1: with M micro-batches
 and P stages a step takes M + P - 1 slots of one micro-batch's stage time where one process
-takes M x P. Micro-batches of one step are independent (different sequences), and a
-sequence's chunks stay in step order on every stage, so the KV each stage writes and reads
-is what one process would. The last stage's hidden states, concatenated in micro-batch
+takes M x P. Every stage runs the micro-batches in the same order, so where a sequence's
+query is cut, its later part reads the KV its earlier part wrote on that stage, and the KV
+each stage writes and reads is what one process would. The last stage's hidden states, concatenated in micro-batch
 order, are the whole step's flat batch; rank 0 computes the logits and samples as one
 process does.
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+
 import torch
 
 from kiln.config import ParallelConfig
 from kiln.distributed.pipe import PendingReceive, StagePipe, stage_of_rank
-from kiln.engine.contract import SchedulerOutput
+from kiln.engine.contract import ScheduledRequest, SchedulerOutput
 from kiln.models.layers.pipeline import PipelineStage, check_pipeline, split_layers, stage_of
 from kiln.models.llama import LlamaArch
 from kiln.models.loader import read_hf_config
@@ -33,25 +37,32 @@ from kiln.runner.batch import build_batch
 
 
 def micro_batches(sched: SchedulerOutput, count: int) -> list[SchedulerOutput]:
-    """The step's sequences in min(count, sequences) contiguous, non-empty groups of about
-    equal token counts; concatenated in order they are the step's flat batch."""
-    items = sched.scheduled
-    count = min(count, len(items))
-    total = sum(len(item.token_ids) for item in items)
-    groups: list[list] = []
-    current: list = []
-    done = 0
-    for k, item in enumerate(items):
-        current.append(item)
-        done += len(item.token_ids)
-        groups_after = count - len(groups) - 1
-        items_after = len(items) - k - 1
-        if groups_after and (done * count >= total * (len(groups) + 1)
-                             or items_after == groups_after):
-            groups.append(current)
-            current = []
-    groups.append(current)
-    return [SchedulerOutput(g, sum(len(item.token_ids) for item in g)) for g in groups]
+    """The step's flat batch cut into at most `count` contiguous, non-empty micro-batches of
+    about equal tokens; concatenated in order they are the step's flat batch. A sequence's
+    query may be cut (a long prefill chunk spreads over several micro-batches: its later
+    part attends to the KV of the earlier, which every stage has written by then), except
+    one with draft tokens (a tree's attention bits span its whole query)."""
+    total = sum(len(item.token_ids) for item in sched.scheduled)
+    bounds = [total * k // count for k in range(1, count)]  # flat offsets where one ends
+    groups: list[list[ScheduledRequest]] = [[] for _ in range(count)]
+    start = 0
+    for item in sched.scheduled:
+        n = len(item.token_ids)
+        cuts = [] if item.num_draft_tokens else [b - start for b in bounds if start < b < start + n]
+        edges = [0, *cuts, n]
+        for lo, hi in zip(edges, edges[1:], strict=False):
+            groups[bisect.bisect_right(bounds, start + lo)].append(_query_part(item, lo, hi))
+        start += n
+    return [SchedulerOutput(g, sum(len(item.token_ids) for item in g)) for g in groups if g]
+
+
+def _query_part(item: ScheduledRequest, lo: int, hi: int) -> ScheduledRequest:
+    """Tokens [lo, hi) of a scheduled query, at their positions (only the last part samples)."""
+    if lo == 0 and hi == len(item.token_ids):
+        return item
+    return dataclasses.replace(item, token_ids=item.token_ids[lo:hi],
+                               start_pos=item.start_pos + lo,
+                               samples=item.samples and hi == len(item.token_ids))
 
 
 def num_micro_batches(parallel: ParallelConfig) -> int:
