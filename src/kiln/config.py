@@ -125,8 +125,9 @@ class ParallelConfig:
         "rank processes one engine's layers are split across in contiguous stages (pipeline "
         "parallelism, this machine, gloo)"))
     pipeline_micro_batches: int | None = field(default=None, metadata=doc(
-        "micro-batches each step's sequences are split into, so the stages overlap",
-        none_means="2 x pipeline_parallel_size (at most one per sequence)"))
+        "micro-batches each step is cut into, so the stages overlap within a step too (the "
+        "engine already keeps one step per stage in flight)",
+        none_means="1: the whole step"))
     all_reduce: Literal["auto", "gloo", "shm"] = field(default="auto", metadata=doc(
         "the ranks' all-reduce: shm (shared memory, this machine), gloo (TCP), or auto: shm "
         "where kiln's kernels build and it exists, else gloo"))

@@ -42,7 +42,9 @@ def llama_pair(tiny_ckpt):
     path = tiny_ckpt("llama")
     # the staged engine drafts n-gram lookups (greedy output is unchanged by speculation):
     # verify steps of several tokens per sequence cross the stages too
-    one, two = LLM(path, **SETTINGS), pipeline_engine(path, speculator="ngram")
+    # and cuts each step into 3 micro-batches (a prefill chunk's parts on each stage in turn)
+    one, two = LLM(path, **SETTINGS), pipeline_engine(path, speculator="ngram",
+                                                      pipeline_micro_batches=3)
     yield one, two
     two.close()
 
@@ -58,12 +60,21 @@ def qwen2_small(tiny_ckpt):
     two.close()
 
 
-def test_llama_pp2_matches_one_process(llama_pair):
+def test_llama_pp2_matches_one_process(llama_pair, monkeypatch):
     one, two = llama_pair
     # each stage holds KV for one of the two layers: twice the blocks in the same bytes
     assert two.engine.limits.num_kv_blocks == 2 * one.engine.limits.num_kv_blocks
+    runner, in_flight = two.engine.runner, []
+    submit = runner.submit
+
+    def counting_submit(sched):  # how many steps are in flight as each is submitted
+        in_flight.append(len(two.engine.pipeline.in_flight))
+        submit(sched)
+
+    monkeypatch.setattr(runner, "submit", counting_submit)
     assert_same(one.generate(PROMPTS, GREEDY, use_tqdm=False),
                 two.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert max(in_flight) == 1  # a step went down the stages while another was in them
 
 
 def test_llama_pp2_prefix_cache_hit(llama_pair):

@@ -187,6 +187,18 @@ class ModelRunner:
                  "stack has no collective)", size)
         return Leader.start(model_config, model_path, cache, parallel)
 
+    @property
+    def pipeline_depth(self) -> int:
+        """Steps the engine may keep in flight (kiln.engine.pipelined): one per stage on
+        rank 0 of a pipeline, else 1."""
+        return 1 if self.stages is None or self.leader is None else self.stages.stage.count
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Pipeline parallelism: start `sched` down the stages now; `execute(sched)` finishes
+        it here later, steps in the order submitted."""
+        self.leader.send(RunStep(step_seqs(sched), None))
+        self.stages.post(sched)
+
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing to do in one process)."""
         if self.leader is not None:
@@ -261,11 +273,13 @@ class ModelRunner:
         `logits`: the LM head runs next on the batch's logits rows (the other ranks join)."""
         self.release(sched.finished_ids)
         batch = build_batch(sched, self.device)
-        if self.leader is not None:
-            rows = batch.logits_index.tolist() if logits and self.stages is None else None
-            self.leader.send(RunStep(step_seqs(sched), rows))
         if self.stages is not None:  # this rank's stage over the step's micro-batches
+            if self.leader is not None and not self.stages.is_posted(sched):
+                self.submit(sched)
             return batch, self.stages.run(sched, self.kv_caches)
+        if self.leader is not None:
+            rows = batch.logits_index.tolist() if logits else None
+            self.leader.send(RunStep(step_seqs(sched), rows))
         size = self.graphs.bucket(sched, batch) if self.graphs is not None else None
         if size is not None:
             slots = slot_mapping_for(batch.layout, batch.slot_positions, self.kv_spec.block_size)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -66,7 +68,7 @@ def _query_part(item: ScheduledRequest, lo: int, hi: int) -> ScheduledRequest:
 
 
 def num_micro_batches(parallel: ParallelConfig) -> int:
-    return parallel.pipeline_micro_batches or 2 * parallel.pipeline_parallel_size
+    return parallel.pipeline_micro_batches or 1
 
 
 def check_stages(parallel: ParallelConfig, model_class: type, num_layers: int) -> None:
@@ -101,8 +103,21 @@ def head_cost(arch: LlamaArch) -> float:
     return arch.vocab_size * h / layer
 
 
+@dataclass
+class StagePlan:
+    """One step on this stage: its micro-batches, the tag of the first (each step's tags are
+    its own, so steps in flight never mix), and the receives posted for them (None on the
+    first stage)."""
+
+    sched: SchedulerOutput
+    parts: list[SchedulerOutput]
+    first_tag: int
+    received: list[PendingReceive] | None
+
+
 class StageRunner:
-    """One rank's stage of every step (see the module docstring)."""
+    """One rank's stage of every step (see the module docstring). Every rank begins the
+    steps in the order rank 0 broadcasts them, so each counts the same tags."""
 
     def __init__(self, model: torch.nn.Module, backend, pipe: StagePipe, count: int,
                  block_size: int, device: torch.device, dtype: torch.dtype):
@@ -110,34 +125,56 @@ class StageRunner:
         self.stage: PipelineStage = model.stage
         self.count, self.block_size = count, block_size
         self.device, self.dtype = device, dtype
+        self.steps_begun = 0
+        self.posted: deque[StagePlan] = deque()  # rank 0: steps submitted, not yet run
+
+    def post(self, sched: SchedulerOutput) -> None:
+        """Begin `sched` ahead of running it (rank 0, whose steps are in flight): its
+        receives are posted now, so the stage before never waits to send it."""
+        self.posted.append(self._begin(sched))
+
+    def is_posted(self, sched: SchedulerOutput) -> bool:
+        return any(plan.sched is sched for plan in self.posted)
 
     def run(self, sched: SchedulerOutput,
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """This stage's part of the step (KV written); the last stage returns the step's
-        final hidden states [T, H], the others None once their sends have gone."""
-        parts = micro_batches(sched, self.count)
-        received = None if self.stage.is_first else self._post_receives(parts)
+        final hidden states [T, H], the others None once their sends have gone. Steps run
+        in the order they were begun."""
+        plan = self.posted.popleft() if self.posted else self._begin(sched)
+        assert plan.sched is sched, "pipelined steps run in the order they were submitted"
         hidden = []
-        for m, part in enumerate(parts):
+        for m, part in enumerate(plan.parts):
             batch = build_batch(part, self.device)
             meta = self.backend.build_metadata(batch.layout, batch.slot_positions,
                                                self.block_size)
-            if received is None:
+            if plan.received is None:
                 x, residual = self.model.embed(batch.input_ids), None
             else:
-                x, residual = self.pipe.wait(received[m]).to(self.device).unbind(0)
+                x, residual = self.pipe.wait(plan.received[m]).to(self.device).unbind(0)
             x, residual = self.model.run_layers(x, residual, batch.positions, kv_caches, meta)
             if self.stage.is_last:
                 hidden.append(self.model.final_norm(x, residual))
-            else:
-                self.pipe.send_next(torch.stack((x, residual)).cpu(), m)  # (gloo: CPU)
+            else:  # (gloo sends from CPU memory)
+                self.pipe.send_next(torch.stack((x, residual)).cpu(), plan.first_tag + m)
         self.pipe.flush()
         return torch.cat(hidden) if self.stage.is_last else None
 
-    def _post_receives(self, parts: list[SchedulerOutput]) -> list[PendingReceive]:
+    def _begin(self, sched: SchedulerOutput) -> StagePlan:
+        parts = micro_batches(sched, self.count)
+        first_tag = (self.steps_begun % _TAG_CYCLE) * self.count
+        self.steps_begun += 1
+        received = None if self.stage.is_first else self._post_receives(parts, first_tag)
+        return StagePlan(sched, parts, first_tag, received)
+
+    def _post_receives(self, parts: list[SchedulerOutput],
+                       first_tag: int) -> list[PendingReceive]:
         """Every micro-batch's receive, posted before the first is waited on: [2, T_m, H]
         (x and the residual stream), in CPU memory (gloo's)."""
         hidden_size = self.model.arch.hidden_size
         return [self.pipe.post_receive(
-            torch.empty(2, part.num_batched_tokens, hidden_size, dtype=self.dtype), m)
-            for m, part in enumerate(parts)]
+            torch.empty(2, part.num_batched_tokens, hidden_size, dtype=self.dtype),
+            first_tag + m) for m, part in enumerate(parts)]
+
+
+_TAG_CYCLE = 1 << 20  # steps before tags repeat (far more than are ever in flight)
