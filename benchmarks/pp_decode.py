@@ -3,15 +3,16 @@ processes, T/2 threads each), and the per-call latency of one stage-to-stage sen
 
 Rows per model: batch-1 decode tok/s (128-token prompt, 128 new tokens; decode time is the
 whole request's minus a 1-token request's), and 64 x 128/128 throughput (output tok/s), at
-PP=2 for each micro-batch count asked (`--micro-batches 2,4,8`; default: the engine's own,
-2 x P). Batch-1 decode has one sequence, so one micro-batch: the stages run one after the
-other and PP=2 cannot beat one process there; the 64-sequence rows show the overlap.
+PP=2 for each micro-batch count asked (`--micro-batches 1,2,4`; default: the engine's own,
+1). The engine keeps one step per stage in flight, each of half the sequences, so the
+64-sequence rows show the stages overlapping; batch-1 decode has one sequence, so the stages
+run one after the other and PP=2 cannot beat one process there.
 Models: with --random-1b (or by default) a random-weight Llama of ~1.1B parameters
 (TinyLlama's shape: 22 layers, 11 per stage) made on the fly; --default-model adds the
 bundled default. The send probe times a gloo send + receive of one micro-batch's
 activations [2, rows, hidden] (x and the residual, bf16) between 2 processes.
 
-usage: python benchmarks/pp_decode.py [--threads 2] [--random-1b] [--micro-batches 2,4,8]
+usage: python benchmarks/pp_decode.py [--threads 2] [--random-1b] [--micro-batches 1,2,4]
        [--reps 3] [--out benchmarks/results/pp_decode.json]
        smoke check (tiny model, few tokens): python benchmarks/pp_decode.py --tiny
 """
@@ -62,7 +63,7 @@ def measure(model: str | None, pp: int, threads: int, args,
         batch = prompts(args.batch, args.prompt_len, vocab, 1)
         batch_s = timed(llm, batch, args.new_tokens, max(1, args.reps // 2))
         return {"pp": pp, "threads_per_rank": threads,
-                "micro_batches": (micro_batches or 2 * pp) if pp > 1 else None,
+                "micro_batches": (micro_batches or 1) if pp > 1 else None,
                 "batch1_decode_tok_s": (args.new_tokens - 1) / decode_s,
                 f"batch{args.batch}_out_tok_s": args.batch * args.new_tokens / batch_s}
     finally:
@@ -140,7 +141,7 @@ def main() -> int:
                    help="a random-weight ~1.1B Llama (the model measured unless --default-model)")
     p.add_argument("--default-model", action="store_true", help="also the default model")
     p.add_argument("--micro-batches", default="",
-                   help="comma-separated micro-batch counts to run PP=2 with (default: 2 x P)")
+                   help="comma-separated micro-batch counts to run PP=2 with (default: 1)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -158,7 +159,8 @@ def main() -> int:
             rows = [measure(model, 1, args.threads, args)]
             rows += [measure(model, 2, max(1, args.threads // 2), args, m) for m in counts]
             hidden = read_hf_config(resolve_model_path(model))["hidden_size"]
-            sizes = sorted({1, *(-(-args.batch // (m or 4)) for m in counts)})
+            # rows of one micro-batch: a step holds half the sequences, cut m ways
+            sizes = sorted({1, *(-(-args.batch // (2 * (m or 1))) for m in counts)})
             results["models"][name] = {"runs": rows,
                                        "send_us": probe_sends(hidden, sizes, args.calls)}
             print(json.dumps({name: results["models"][name]}, indent=1))

@@ -14,9 +14,13 @@ so stage s works on micro-batch m while stage s + 1 works on m - 1: with M micro
 and P stages a step takes M + P - 1 slots of one micro-batch's stage time where one process
 takes M x P. Every stage runs the micro-batches in the same order, so where a sequence's
 query is cut, its later part reads the KV its earlier part wrote on that stage, and the KV
-each stage writes and reads is what one process would. The last stage's hidden states, concatenated in micro-batch
-order, are the whole step's flat batch; rank 0 computes the logits and samples as one
-process does.
+each stage writes and reads is what one process would. The last stage's hidden states,
+concatenated in micro-batch order, are the whole step's flat batch; rank 0 computes the
+logits and samples as one process does.
+
+Steps overlap too: rank 0's engine keeps one step per stage in flight (kiln.engine.pipelined),
+submitting a step (`StageRunner.post`: broadcast, receives posted) before it finishes the
+previous one. Every rank begins the steps in broadcast order, so all count the same tags.
 """
 
 from __future__ import annotations
