@@ -72,3 +72,19 @@ def test_two_steps_in_flight_of_disjoint_requests_finish_oldest_first():
         pipeline.step()
     assert all(not r for r in [s.requests, pipeline.in_flight])
     assert s.kv.stats().used_blocks == 0
+
+
+def test_an_aborted_request_in_flight_keeps_its_blocks_until_its_step_ends():
+    s, runner = make(), RecordingRunner()
+    s.add_request(req("a", 3, max_tokens=4, t0=0))
+    s.add_request(req("b", 3, max_tokens=4, t0=1))
+    pipeline = StepPipeline(s, runner, depth=2)
+    pipeline.step()  # a goes first (half of the two)
+    assert pipeline.defer_busy(["a", "b"]) == ["b"]  # b waits: aborted at once
+    s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    assert s.kv.block_ids("a")  # a's step may still move KV between its blocks
+    _, outputs = pipeline.step()  # nothing else to schedule: a's step ends, then a
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("b", "abort"), ("a", None)]
+    assert "a" not in s.requests and s.kv.stats().used_blocks == 0
+    _, outputs = pipeline.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", "abort")]

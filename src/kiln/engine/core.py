@@ -229,6 +229,8 @@ class EngineCore:
         self.structured.validate(params)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        if self.pipeline is not None:  # one in flight ends when its step does
+            request_ids = self.pipeline.defer_busy(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:

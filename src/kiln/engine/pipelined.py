@@ -9,10 +9,11 @@ once), and, once P are in flight or nothing more can be scheduled, finishes the 
 (rank 0 runs the last stage on it and samples) and updates the scheduler with its outputs.
 While rank 0 finishes step t, the first stage computes step t + 1.
 
-Why this is safe: a request in flight is neither scheduled nor preempted (`busy`), and every
-stage runs the steps in submission order, so KV an in-flight step writes (into blocks of a
-request aborted meanwhile, or of a prefix a later step hits) is written on every stage
-before any later step reads or overwrites it.
+Why this is safe: a request in flight is neither scheduled nor preempted (`busy`), nor
+aborted until its step has finished (`defer_busy`: its blocks stay its own until then, so
+no later step gets them while the finishing step may still move KV between them), and every
+stage runs the steps in submission order, so KV an in-flight step writes (into a prefix a
+later step hits) is written on every stage before any later step reads it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections import deque
 from typing import Protocol
 
 from kiln.engine.contract import EngineCoreOutput, RunnerOutput, SchedulerOutput
+from kiln.engine.request import RequestStatus
 from kiln.engine.scheduler import Scheduler
 
 
@@ -39,6 +41,14 @@ class StepPipeline:
     def __init__(self, scheduler: Scheduler, runner: PipelinedRunner, depth: int):
         self.scheduler, self.runner, self.depth = scheduler, runner, depth
         self.in_flight: deque[SchedulerOutput] = deque()
+        self.deferred_aborts: set[str] = set()
+
+    def defer_busy(self, request_ids: list[str]) -> list[str]:
+        """Of requests to abort, those not in flight (abort them now); the others are
+        aborted as soon as their step has finished."""
+        busy = self.busy()
+        self.deferred_aborts.update(rid for rid in request_ids if rid in busy)
+        return [rid for rid in request_ids if rid not in busy]
 
     def busy(self) -> frozenset[str]:
         return frozenset(item.request_id for sched in self.in_flight for item in sched.scheduled)
@@ -59,4 +69,13 @@ class StepPipeline:
             if len(self.in_flight) < self.depth:
                 return None, self.scheduler.update(SchedulerOutput([], 0), RunnerOutput([]))
         oldest = self.in_flight.popleft()
-        return oldest, self.scheduler.update(oldest, self.runner.execute(oldest))
+        outputs = self.scheduler.update(oldest, self.runner.execute(oldest))
+        self._abort_deferred()
+        return oldest, outputs
+
+    def _abort_deferred(self) -> None:
+        """Abort the deferred requests no longer in flight (their outputs come next step)."""
+        ready = self.deferred_aborts - self.busy()
+        if ready:
+            self.deferred_aborts -= ready
+            self.scheduler.finish_requests(sorted(ready), RequestStatus.FINISHED_ABORTED)
