@@ -38,9 +38,9 @@ def build_engine_core(config: EngineConfig, *, emit_kv_events: bool = False) -> 
 
 
 def check_parallel_features(config: EngineConfig) -> None:
-    """ValueError for a feature that tensor parallelism does not serve: a draft model or head
-    reads the target's whole LM head and KV heads, which no rank holds (n-gram lookup drafts
-    are tokens of the step, and work)."""
+    """ValueError for a feature that tensor or pipeline parallelism does not serve: a draft
+    model or head reads the target's whole LM head and KV heads (or every layer's), which no
+    rank holds (n-gram lookup drafts are tokens of the step, and work)."""
     p, spec = config.parallel, config.speculative
     for name, size in (("tensor", p.tensor_parallel_size), ("pipeline", p.pipeline_parallel_size)):
         if size > 1 and spec is not None and spec.method != "ngram":

@@ -147,7 +147,8 @@ class ParallelConfig:
         self._check_pipeline()
 
     def _check_pipeline(self) -> None:
-        p, t, m = self.pipeline_parallel_size, self.tensor_parallel_size, self.pipeline_micro_batches
+        p, t = self.pipeline_parallel_size, self.tensor_parallel_size
+        m = self.pipeline_micro_batches
         if p < 1:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {p}")
         if m is not None and m < 1:

@@ -72,7 +72,7 @@ def load_model(path: str | Path, dtype: torch.dtype, backend,
         sharded["stage"] = stage
     model = cls(arch, dtype=dtype, backend=backend, method_for=method_for, ops=ops, **sharded)
     _load_weights(model, path)
-    if arch.tie_word_embeddings and hasattr(model, "lm_head"):  # (a pipeline's last stage)
+    if arch.tie_word_embeddings and hasattr(model, "lm_head"):  # (of a pipeline: the last stage)
         model.lm_head.method.load_shard(model.lm_head, 0, "weight",
                                         model.model.embed_tokens.weight)
     for module in model.modules():
