@@ -77,7 +77,7 @@ def _probe_rank(rank: int, port: int, rows: list[int], hidden: int, calls: int,
     from kiln.distributed.launch import join_groups, join_store
 
     torch.set_num_threads(1)
-    group = join_groups(join_store(port, 2, 60), rank, 2, 60, pipeline=True)
+    group = join_groups(join_store(port, 2, 60), rank, 2, 60, stages=2)
     pipe, out = group.pipe, {}
     for n in rows:
         tensor = torch.randn(2, n, hidden).to(torch.bfloat16)

@@ -147,15 +147,11 @@ class ParallelConfig:
         self._check_pipeline()
 
     def _check_pipeline(self) -> None:
-        p, t = self.pipeline_parallel_size, self.tensor_parallel_size
-        m = self.pipeline_micro_batches
+        p, m = self.pipeline_parallel_size, self.pipeline_micro_batches
         if p < 1:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {p}")
         if m is not None and m < 1:
             raise ValueError(f"pipeline_micro_batches must be >= 1, got {m}")
-        if p > 1 and t > 1:
-            raise ValueError(f"tensor_parallel_size {t} with pipeline_parallel_size {p}: "
-                             f"the two together are not built yet; use one of them")
 
     @property
     def world_size(self) -> int:

@@ -135,9 +135,24 @@ def test_more_stages_than_layers_fail_with_the_numbers(tiny_ckpt):
         LLM(tiny_ckpt("llama"), **SETTINGS, pipeline_parallel_size=3)
 
 
-def test_tensor_and_pipeline_together_are_refused():
-    with pytest.raises(ValueError, match="tensor_parallel_size 2 with pipeline_parallel_size 2"):
-        ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+@pytest.mark.slow
+def test_tensor_parallel_stages_match_one_process(tiny_ckpt):
+    """TP=2 x PP=2: 4 ranks on 2 cores (`make test-all`)."""
+    path = tiny_ckpt("llama")
+    one = LLM(path, **SETTINGS)
+    four = pipeline_engine(path, tensor_parallel_size=2, pipeline_micro_batches=2)
+    try:
+        # half the KV heads and half the layers per rank: four times the blocks
+        assert four.engine.limits.num_kv_blocks == 4 * one.engine.limits.num_kv_blocks
+        assert_same(one.generate(PROMPTS, GREEDY, use_tqdm=False),
+                    four.generate(PROMPTS, GREEDY, use_tqdm=False))
+    finally:
+        four.close()
+
+
+def test_micro_batches_must_be_positive():
+    with pytest.raises(ValueError, match="pipeline_micro_batches must be >= 1, got 0"):
+        ParallelConfig(pipeline_parallel_size=2, pipeline_micro_batches=0)
 
 
 def test_speculation_from_a_model_is_refused(tiny_ckpt):

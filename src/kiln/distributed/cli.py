@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     store.set(started_key(launch.rank), "1")
     group = join_groups(store, launch.rank, p.world_size, p.dist_timeout_s,
                         p.all_reduce, all_reduce_name(launch.parent_pid, launch.store_port),
-                        pipeline=p.pipeline_parallel_size > 1)
+                        stages=p.pipeline_parallel_size)
     try:
         runner = ModelRunner(launch.model, launch.model_path, launch.cache, p, frozenset(),
                              ranks=group)

@@ -73,22 +73,28 @@ def join_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
 
 
 def join_groups(store: dist.Store, rank: int, world_size: int, timeout_s: float,
-                all_reduce: str = "gloo", name: str = "", pipeline: bool = False) -> RankGroup:
+                all_reduce: str = "gloo", name: str = "", stages: int = 1) -> RankGroup:
     """This rank's groups; returns once every rank has joined (or raises after timeout_s).
     `all_reduce`: gloo, shm (shared memory; `name` unique among this machine's groups), or
-    auto (shm where it runs). `pipeline`: the ranks are pipeline stages (no all-reduce).
-    Every rank must pass the same."""
-    if pipeline:
-        pipe = StagePipe(open_gloo_group(store, "pipe", rank, world_size, timeout_s), timeout_s)
-        steps = open_gloo_group(store, "steps", rank, world_size, IDLE_TIMEOUT_S)
-        return RankGroup(None, StepChannel(steps), pipe)
-    model = open_gloo_group(store, "model", rank, world_size, timeout_s)
+    auto (shm where it runs). `stages`: pipeline stages, each of world_size / stages
+    tensor-parallel ranks: ranks [k T, (k + 1) T) form stage group k (k = 0: the last stage,
+    kiln.distributed.pipe), with a model group of their own, and the ranks of one
+    tensor-parallel index across the stages a pipe group. Every rank must pass the same."""
+    tp_size = world_size // stages
+    stage_group, tp_rank = divmod(rank, tp_size)
+    comm = pipe = None
+    if tp_size > 1:
+        model = open_gloo_group(store, f"model{stage_group}", tp_rank, tp_size, timeout_s)
+        if all_reduce == "shm" or (all_reduce == "auto" and shm_available()):
+            comm = ShmCommunicator(model, timeout_s,
+                                   name if stages == 1 else f"{name}-{stage_group}")
+        else:
+            comm = GlooCommunicator(model, timeout_s)
+    if stages > 1:
+        pipe = StagePipe(open_gloo_group(store, f"pipe{tp_rank}", stage_group, stages,
+                                         timeout_s), timeout_s)
     steps = open_gloo_group(store, "steps", rank, world_size, IDLE_TIMEOUT_S)
-    if all_reduce == "shm" or (all_reduce == "auto" and shm_available()):
-        comm = ShmCommunicator(model, timeout_s, name)
-    else:
-        comm = GlooCommunicator(model, timeout_s)
-    return RankGroup(comm, StepChannel(steps))
+    return RankGroup(comm, StepChannel(steps), pipe)
 
 
 def default_threads_per_rank(world_size: int) -> int:

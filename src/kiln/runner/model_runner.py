@@ -131,7 +131,7 @@ class ModelRunner:
                             self.platform.linear_backend, self.ops,
                             tp=None if ranks is None else tp,
                             stage=None if pipe is None else pipeline_stage(
-                                parallel, ranks.rank, model_path))
+                                parallel, pipe.stage, model_path))
         # built and loaded on the CPU (the LinearMethod contract), then on the platform's device
         self.model, self.hf_config = loaded.model.to(self.device), loaded.hf_config
         # the decoder stack as one call where the platform and every layer allow it
@@ -175,28 +175,34 @@ class ModelRunner:
         size = parallel.world_size
         if size == 1 or ranks is not None:
             return None
+        model_class, arch = resolve_architecture(read_hf_config(model_path))
         if parallel.pipeline_parallel_size > 1:
-            model_class, arch = resolve_architecture(read_hf_config(model_path))
             check_stages(parallel, model_class, arch.num_layers)
-            return Leader.start(model_config, model_path, cache, parallel)
-        if model_config.quantization is not None:
-            check_row_shardable(get_linear_method(model_config.quantization))
-        _, arch = resolve_architecture(read_hf_config(model_path))
-        check_tensor_parallel(size, arch.num_heads, arch.num_kv_heads, arch.intermediate_size)
-        log.info("tensor parallel over %d ranks: decoder layers run one call each (the fused "
-                 "stack has no collective)", size)
+        tp_size = parallel.tensor_parallel_size
+        if tp_size > 1:
+            if model_config.quantization is not None:
+                check_row_shardable(get_linear_method(model_config.quantization))
+            check_tensor_parallel(tp_size, arch.num_heads, arch.num_kv_heads,
+                                  arch.intermediate_size)
+        log.info("%d ranks: decoder layers run one call each (the fused stack has no "
+                 "collective and no stages)", size)
         return Leader.start(model_config, model_path, cache, parallel)
 
     @property
     def pipeline_depth(self) -> int:
         """Steps the engine may keep in flight (kiln.engine.pipelined): one per stage on
         rank 0 of a pipeline, else 1."""
-        return 1 if self.stages is None or self.leader is None else self.stages.stage.count
+        if self.stages is None or self.leader is None or self.model.tp.size > 1:
+            # (with tensor-parallel stages, the last stage's other ranks run each step's
+            # all-reduces in lockstep with this one: one step at a time)
+            return 1
+        return self.stages.stage.count
 
-    def submit(self, sched: SchedulerOutput) -> None:
+    def submit(self, sched: SchedulerOutput, logits_rows: list[int] | None = None) -> None:
         """Pipeline parallelism: start `sched` down the stages now; `execute(sched)` finishes
-        it here later, steps in the order submitted."""
-        self.leader.send(RunStep(step_seqs(sched), None))
+        it here later, steps in the order submitted. `logits_rows`: the last stage's other
+        tensor-parallel ranks compute their share of those rows' logits."""
+        self.leader.send(RunStep(step_seqs(sched), logits_rows))
         self.stages.post(sched)
 
     def close(self) -> None:
@@ -275,7 +281,8 @@ class ModelRunner:
         batch = build_batch(sched, self.device)
         if self.stages is not None:  # this rank's stage over the step's micro-batches
             if self.leader is not None and not self.stages.is_posted(sched):
-                self.submit(sched)
+                shared_head = logits and self.model.tp.size > 1
+                self.submit(sched, batch.logits_index.tolist() if shared_head else None)
             return batch, self.stages.run(sched, self.kv_caches)
         if self.leader is not None:
             rows = batch.logits_index.tolist() if logits else None
@@ -292,7 +299,7 @@ class ModelRunner:
     def follow_step(self, sched: SchedulerOutput, logits_index: list[int] | None) -> None:
         """A following rank's share of rank 0's step: the forward, then its LM head rows."""
         _, hidden = self.forward(sched)
-        if logits_index is not None:
+        if logits_index is not None and hidden is not None:  # (None: not the last stage)
             self.model.compute_logits(hidden[torch.tensor(logits_index, dtype=torch.int64)])
 
     def _run_model(self, batch: BatchInputs, meta: AttentionMetadata) -> torch.Tensor:

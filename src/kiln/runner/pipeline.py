@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.config import ParallelConfig
-from kiln.distributed.pipe import PendingReceive, StagePipe, stage_of_rank
+from kiln.distributed.pipe import PendingReceive, StagePipe
 from kiln.engine.contract import ScheduledRequest, SchedulerOutput
 from kiln.models.layers.pipeline import PipelineStage, check_pipeline, split_layers, stage_of
 from kiln.models.llama import LlamaArch
@@ -84,11 +84,11 @@ def check_stages(parallel: ParallelConfig, model_class: type, num_layers: int) -
     check_pipeline(size, num_layers)
 
 
-def pipeline_stage(parallel: ParallelConfig, rank: int, model_path: str) -> PipelineStage:
-    """The stage rank `rank` runs (rank 0: the last; kiln.distributed.pipe)."""
+def pipeline_stage(parallel: ParallelConfig, index: int, model_path: str) -> PipelineStage:
+    """Stage `index` of the model at `model_path`."""
     size = parallel.pipeline_parallel_size
     _, arch = resolve_architecture(read_hf_config(model_path))
-    return stage_of(stage_of_rank(rank, size), size, arch.num_layers, head_cost(arch))
+    return stage_of(index, size, arch.num_layers, head_cost(arch))
 
 
 def kv_budget_layers(parallel: ParallelConfig, arch: LlamaArch) -> int:

@@ -1,8 +1,8 @@
 """The ranks of a tensor- or pipeline-parallel engine: rank 0 leads, the others follow its steps.
 
 Rank 0 owns the scheduler (EngineCore) and the sampler; ranks 1..N-1 own only their part of
-the model and of the KV cache (their heads, or their pipeline stage's layers). Whatever rank 0's runner does to the model or the cache, it
-first tells the others in a `RankCommand` (a msgspec struct broadcast as bytes over the step
+the model and of the KV cache (their heads, their pipeline stage's layers, or both). Whatever
+rank 0's runner does to the model or the cache, it first tells the others in a `RankCommand` (a msgspec struct broadcast as bytes over the step
 channel, kiln.distributed.step_channel; never pickled), and every rank then does the same:
 
   - `AllocateKV`: size the KV cache (rank 0 decides the block count).
@@ -128,8 +128,9 @@ class Leader:
         """Start ranks 1..N-1 and join them (returns once all are connected)."""
         size, timeout = parallel.world_size, parallel.dist_timeout_s
         pipeline = parallel.pipeline_parallel_size > 1
+        tensor = parallel.tensor_parallel_size > 1
         threads = parallel.num_threads or default_threads_per_rank(size)
-        if not pipeline:  # rank 0 decides "auto" for all: every rank must sum the same way
+        if tensor:  # rank 0 decides "auto" for all: every rank must sum the same way
             parallel = dataclasses.replace(parallel, all_reduce=resolve_all_reduce(parallel))
         store = open_store(size, timeout)
         processes = []
@@ -141,16 +142,17 @@ class Leader:
         try:
             wait_until_started(store, processes)
             group = join_groups(store, 0, size, timeout, parallel.all_reduce,
-                                all_reduce_name(os.getpid(), store.port), pipeline)
+                                all_reduce_name(os.getpid(), store.port),
+                                parallel.pipeline_parallel_size)
         except (RuntimeError, RankFailure) as exc:
             codes = [p.poll() for p in processes]
             _kill(processes)
             raise RankFailure(f"{'pipeline' if pipeline else 'tensor'}-parallel ranks did not "
                               f"start (exit codes {codes}): {exc}") from exc
-        log.info("%s parallel: %d ranks, %d threads each, %s, gloo over 127.0.0.1:%d",
-                 "pipeline" if pipeline else "tensor", size, threads,
-                 "stage to stage" if pipeline else f"all-reduce {parallel.all_reduce}",
-                 store.port)
+        log.info("tensor x pipeline parallel: %d x %d ranks, %d threads each, %s, gloo over "
+                 "127.0.0.1:%d", parallel.tensor_parallel_size,
+                 parallel.pipeline_parallel_size, threads,
+                 f"all-reduce {parallel.all_reduce}" if tensor else "stage to stage", store.port)
         return cls(group, processes, store)
 
     def send(self, command: RankCommand) -> None:
