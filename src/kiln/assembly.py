@@ -24,6 +24,7 @@ def build_engine_core(config: EngineConfig, *, emit_kv_events: bool = False) -> 
     `config.speculative` is set, a speculator. `emit_kv_events`: the prefix cache records
     KV events for a router (the cluster worker publishes them)."""
     register_plugins()
+    check_parallel_features(config)
     # the tokenizer loads on a thread while the engine loads the model
     vocab = Vocabulary.load_in_background(resolve_model_path(config.model.model))
     speculator: SpeculationFactory | None = None
@@ -34,6 +35,16 @@ def build_engine_core(config: EngineConfig, *, emit_kv_events: bool = False) -> 
                         speculator=speculator)
     engine.runner.grammar_rows = GrammarRows  # each step's bitmask (kiln.runner.hooks)
     return engine
+
+
+def check_parallel_features(config: EngineConfig) -> None:
+    """ValueError for a feature pipeline parallelism does not serve: a draft model or head
+    reads the target's hidden states or runs beside every layer, which no stage holds (n-gram
+    lookup drafts are tokens of the step, and work; at TP every proposer runs on rank 0)."""
+    p, spec = config.parallel, config.speculative
+    if p.pipeline_parallel_size > 1 and spec is not None and spec.method != "ngram":
+        raise ValueError(f"speculative method {spec.method!r} with pipeline_parallel_size "
+                         f"{p.pipeline_parallel_size}: only ngram drafts work across stages")
 
 
 def register_plugins() -> None:

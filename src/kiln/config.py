@@ -119,6 +119,15 @@ class ParallelConfig:
     tensor_parallel_size: int = field(default=1, metadata=doc(
         "rank processes one engine's layers are split across (tensor parallelism, this "
         "machine, gloo)"))
+    # pipeline parallelism (docs/parallelism.md): the decoder layers split into P contiguous
+    # stages, one rank process each, activations passed stage to stage
+    pipeline_parallel_size: int = field(default=1, metadata=doc(
+        "rank processes one engine's layers are split across in contiguous stages (pipeline "
+        "parallelism, this machine, gloo)"))
+    pipeline_micro_batches: int | None = field(default=None, metadata=doc(
+        "micro-batches each step is cut into, so the stages overlap within a step too (the "
+        "engine already keeps one step per stage in flight)",
+        none_means="1: the whole step"))
     all_reduce: Literal["auto", "gloo", "shm"] = field(default="auto", metadata=doc(
         "the ranks' all-reduce: shm (shared memory, this machine), gloo (TCP), or auto: shm "
         "where kiln's kernels build and it exists, else gloo"))
@@ -152,6 +161,19 @@ class ParallelConfig:
         if self.num_redundant_experts and not self.enable_expert_parallel:
             raise ValueError(f"num_redundant_experts {self.num_redundant_experts} needs "
                              f"enable_expert_parallel (copies of whole experts on ranks)")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        p, m = self.pipeline_parallel_size, self.pipeline_micro_batches
+        if p < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {p}")
+        if m is not None and m < 1:
+            raise ValueError(f"pipeline_micro_batches must be >= 1, got {m}")
+
+    @property
+    def world_size(self) -> int:
+        """Rank processes of one engine."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -251,11 +273,11 @@ class WorkerConfig:
             raise ValueError(f"worker_id must be non-empty without '.', got {self.worker_id!r}")
         if not 0 < self.pull_timeout_s <= 30 or not 0 < self.hold_timeout_s <= 30:
             raise ValueError("pull_timeout_s and hold_timeout_s must be in (0, 30]")
-        if self.role != "both" and self.engine.parallel.tensor_parallel_size > 1:
+        if self.role != "both" and self.engine.parallel.world_size > 1:
             raise ValueError(f"a {self.role} worker moves KV blocks to other workers, which "
-                             f"tensor parallelism does not support yet (each rank holds only "
-                             f"its heads): use tensor_parallel_size 1, got "
-                             f"{self.engine.parallel.tensor_parallel_size}")
+                             f"tensor or pipeline parallelism does not support yet (each rank "
+                             f"holds only its heads or layers): use one rank, got "
+                             f"{self.engine.parallel.world_size}")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""`kiln serve --tensor-parallel-size 2`: one worker of two ranks serves; when its second
-rank is killed mid-request the worker fails fast, and the gateway restarts it. Slow (a
+"""`kiln serve --tensor-parallel-size 2` (and `--pipeline-parallel-size 2`): one worker of two
+ranks serves; when its second rank is killed mid-request the worker fails fast, and the
+gateway restarts it. Slow (a
 gateway and a worker of two ranks start): `make test-all`; tests/distributed/
 test_tensor_parallel.py kills a rank of an offline engine in the default suite."""
 
@@ -26,10 +27,10 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
-@pytest.fixture(scope="module")
-def srv(llama_path, tmp_path_factory):
-    s = start_server(llama_path, tmp_path_factory.mktemp("tp-worker"), "--served-model-name",
-                     "m", "--tensor-parallel-size", "2", "--dist-timeout", "20")
+@pytest.fixture(scope="module", params=["--tensor-parallel-size", "--pipeline-parallel-size"])
+def srv(llama_path, tmp_path_factory, request):
+    s = start_server(llama_path, tmp_path_factory.mktemp("ranked-worker"), "--served-model-name",
+                     "m", request.param, "2", "--dist-timeout", "20")
     yield s
     s.stop()
 

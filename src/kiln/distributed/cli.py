@@ -1,4 +1,5 @@
-"""A following rank of a tensor-parallel engine: `python -m kiln.distributed.cli --launch-json`.
+"""A following rank of a tensor- or pipeline-parallel engine: `python -m kiln.distributed.cli
+--launch-json`.
 
 The process entry rank 0 starts (kiln.runner.rank_loop.Leader), not a user's command. It
 registers kiln's plugins as the composition root does (the weight formats a checkpoint or
@@ -59,10 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     exit_with_parent(launch.parent_pid)
     register_plugins()
     p = launch.parallel
-    store = join_store(launch.store_port, p.tensor_parallel_size, p.dist_timeout_s)
+    store = join_store(launch.store_port, p.world_size, p.dist_timeout_s)
     store.set(started_key(launch.rank), "1")
-    group = join_groups(store, launch.rank, p.tensor_parallel_size, p.dist_timeout_s,
-                        p.all_reduce, all_reduce_name(launch.parent_pid, launch.store_port))
+    group = join_groups(store, launch.rank, p.world_size, p.dist_timeout_s,
+                        p.all_reduce, all_reduce_name(launch.parent_pid, launch.store_port),
+                        stages=p.pipeline_parallel_size)
     try:
         runner = ModelRunner(launch.model, launch.model_path, launch.cache, p, frozenset(),
                              ranks=group)

@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 
 class RankFailure(RuntimeError):
-    """A collective between tensor-parallel ranks failed: a rank died or stopped answering."""
+    """A collective or send between an engine's ranks failed: a rank died or stopped
+    answering."""
 
 
 class Communicator(Protocol):
@@ -117,11 +118,12 @@ def shm_available() -> bool:
     return cpu_kernels.load()
 
 
-def bounded(collective: Callable[[], object], what: str, timeout_s: float) -> None:
-    """Run a collective, turning gloo's failure (a peer closed its connection, or the group's
-    timeout passed) into a RankFailure that says so."""
+def bounded(collective: Callable[[], object], what: str, timeout_s: float,
+            parallelism: str = "tensor-parallel") -> None:
+    """Run a collective (or a point-to-point send or receive), turning gloo's failure (a peer
+    closed its connection, or the group's timeout passed) into a RankFailure that says so."""
     try:
         collective()
     except RuntimeError as exc:
-        raise RankFailure(f"tensor-parallel {what} failed: a rank died or did not answer "
+        raise RankFailure(f"{parallelism} {what} failed: a rank died or did not answer "
                           f"within {timeout_s:g} s ({str(exc).splitlines()[0][:300]})") from exc

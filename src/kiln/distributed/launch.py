@@ -2,10 +2,12 @@
 
 Rank 0 is the process that owns the engine (the offline `LLM`, or a cluster worker): it opens
 a TCP store on 127.0.0.1 (the OS picks the port, so there is no race for a free one), starts
-ranks 1..T-1 as child processes (`python -m MODULE`, a fresh interpreter: spawn, never fork,
-with the store's address in their arguments) and every rank opens two gloo groups over the
-store: one for the model's collectives, bounded by the configured timeout, and one for rank 0's
-step descriptions (kiln.distributed.step_channel), unbounded since a rank idles there.
+ranks 1..N-1 (N: T tensor-parallel ranks or P pipeline stages) as child processes (`python -m
+MODULE`, a fresh interpreter: spawn, never fork, with the store's address in their arguments)
+and every rank opens two gloo groups over the store: one for the model's collectives (between
+pipeline stages: for the activations' point-to-point sends, kiln.distributed.pipe), bounded by
+the configured timeout, and one for rank 0's step descriptions
+(kiln.distributed.step_channel), unbounded since a rank idles there.
 
 Threads: each rank runs `threads` intra-op threads (cores // ranks by default), set through
 OMP_NUM_THREADS in a child's environment before torch starts. OpenMP's core binding is
@@ -34,6 +36,7 @@ from kiln.distributed.communicator import (
     open_gloo_group,
     shm_available,
 )
+from kiln.distributed.pipe import StagePipe
 from kiln.distributed.step_channel import IDLE_TIMEOUT_S, StepChannel
 
 LOOPBACK = "127.0.0.1"
@@ -42,18 +45,21 @@ _BINDING_ENV = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINIT
 
 @dataclass(frozen=True)
 class RankGroup:
-    """One rank's view of its engine's ranks: the model's collectives and the step channel."""
+    """One rank's view of its engine's ranks: the step channel, and either the model's
+    collectives (tensor parallelism) or the links between stages (pipeline parallelism)."""
 
-    comm: GlooCommunicator
+    comm: GlooCommunicator | None
     steps: StepChannel
+    pipe: StagePipe | None = None
 
     @property
     def rank(self) -> int:
-        return self.comm.rank
+        return self.steps.rank
 
     def close(self) -> None:
-        self.comm.close()
-        self.steps.close()
+        for part in (self.comm, self.pipe, self.steps):
+            if part is not None:
+                part.close()
 
 
 def open_store(world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -67,17 +73,28 @@ def join_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
 
 
 def join_groups(store: dist.Store, rank: int, world_size: int, timeout_s: float,
-                all_reduce: str = "gloo", name: str = "") -> RankGroup:
+                all_reduce: str = "gloo", name: str = "", stages: int = 1) -> RankGroup:
     """This rank's groups; returns once every rank has joined (or raises after timeout_s).
     `all_reduce`: gloo, shm (shared memory; `name` unique among this machine's groups), or
-    auto (shm where it runs). Every rank must pass the same."""
-    model = open_gloo_group(store, "model", rank, world_size, timeout_s)
+    auto (shm where it runs). `stages`: pipeline stages, each of world_size / stages
+    tensor-parallel ranks: ranks [k T, (k + 1) T) form stage group k (k = 0: the last stage,
+    kiln.distributed.pipe), with a model group of their own, and the ranks of one
+    tensor-parallel index across the stages a pipe group. Every rank must pass the same."""
+    tp_size = world_size // stages
+    stage_group, tp_rank = divmod(rank, tp_size)
+    comm = pipe = None
+    if tp_size > 1:
+        model = open_gloo_group(store, f"model{stage_group}", tp_rank, tp_size, timeout_s)
+        if all_reduce == "shm" or (all_reduce == "auto" and shm_available()):
+            comm = ShmCommunicator(model, timeout_s,
+                                   name if stages == 1 else f"{name}-{stage_group}")
+        else:
+            comm = GlooCommunicator(model, timeout_s)
+    if stages > 1:
+        pipe = StagePipe(open_gloo_group(store, f"pipe{tp_rank}", stage_group, stages,
+                                         timeout_s), timeout_s)
     steps = open_gloo_group(store, "steps", rank, world_size, IDLE_TIMEOUT_S)
-    if all_reduce == "shm" or (all_reduce == "auto" and shm_available()):
-        comm = ShmCommunicator(model, timeout_s, name)
-    else:
-        comm = GlooCommunicator(model, timeout_s)
-    return RankGroup(comm, StepChannel(steps))
+    return RankGroup(comm, StepChannel(steps), pipe)
 
 
 def default_threads_per_rank(world_size: int) -> int:

@@ -27,6 +27,7 @@ from kiln.engine.contract import EngineCoreOutput, RunnerOutput, SchedulerOutput
 from kiln.engine.kv_manager import KVCacheManager, KVCacheStats
 from kiln.engine.limits import EngineLimits, validate_request
 from kiln.engine.limits import RequestError as RequestError  # re-exported: its old home
+from kiln.engine.pipelined import StepPipeline
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.scheduler import KEEP, Scheduler, TokenCheck
 from kiln.sampling_params import SamplingParams
@@ -171,6 +172,9 @@ class EngineCore:
         self.scheduler = Scheduler(self._scheduler_config(), self.kv, self.max_model_len,
                                    token_check=self.structured.check_token)
         self.speculator = self._build_speculator(speculator)  # drafts after each step
+        # pipeline parallelism: several steps in flight (kiln.engine.pipelined); else None
+        depth = self.runner.pipeline_depth
+        self.pipeline = StepPipeline(self.scheduler, self.runner, depth) if depth > 1 else None
         self.limits = EngineLimits(max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                    block_size=config.cache.block_size, num_kv_blocks=num_blocks)
         log.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
@@ -225,14 +229,18 @@ class EngineCore:
         self.structured.validate(params)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        if self.pipeline is not None:  # one in flight ends when its step does
+            request_ids = self.pipeline.defer_busy(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.pipeline and self.pipeline.in_flight)
 
     # -- the step -------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.pipeline is not None:
+            return self._pipelined_step()
         sched = self.scheduler.schedule()
         if sched.empty:
             self.structured.wait_for_compile(0.005)  # waiting requests' grammars, if any
@@ -242,6 +250,15 @@ class EngineCore:
         outputs = self.scheduler.update(sched, self.runner.execute(sched))
         if self.speculator is not None:
             self.speculator.after_step(sched, outputs, time.perf_counter() - started)
+        return outputs
+
+    def _pipelined_step(self) -> list[EngineCoreOutput]:
+        started = time.perf_counter()
+        finished, outputs = self.pipeline.step()
+        if finished is None and not self.pipeline.in_flight:  # idle
+            self.structured.wait_for_compile(0.005)
+        if finished is not None and self.speculator is not None:
+            self.speculator.after_step(finished, outputs, time.perf_counter() - started)
         return outputs
 
     def stats(self) -> StepStats:

@@ -114,35 +114,41 @@ class Scheduler:
 
     # -- schedule -------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, busy: frozenset[str] = frozenset(),
+                 max_seqs: int | None = None) -> SchedulerOutput:
+        """The next step. `busy`: running requests whose last step is still in flight (a
+        pipeline of stages, kiln.runner.pipeline): neither scheduled nor preempted.
+        `max_seqs`: at most this many sequences in the step (None: max_num_seqs)."""
         budget = self.config.max_num_batched_tokens
+        max_seqs = max_seqs or self.config.max_num_seqs
         scheduled: list[ScheduledRequest] = []
         preemptions_before = self.num_preemptions
         for request in list(self.running):
-            if budget <= 0:
+            if budget <= 0 or len(scheduled) >= max_seqs:
                 break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status != RequestStatus.RUNNING or request.request_id in busy:
+                continue  # preempted earlier in this loop, or in flight
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             num_new = self._grammar_cap(request, request.num_computed_tokens, num_new)
             if not num_new:
                 continue  # its grammar still compiles (or failed: it was finished)
-            if not self._allocate_or_preempt(request, num_new, scheduled):
+            if not self._allocate_or_preempt(request, num_new, scheduled, busy):
                 continue
             scheduled.append(self._describe(request, num_new))
             budget -= num_new
         if self.num_preemptions == preemptions_before:
-            budget = self._admit_waiting(scheduled, budget)
+            budget = self._admit_waiting(scheduled, budget, max_seqs)
         out = SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget,
                               self._finished_ids)
         self._finished_ids = []
         return out
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
-                             scheduled: list[ScheduledRequest]) -> bool:
-        """Allocate, preempting requests not yet scheduled this step (possibly `request`)."""
+                             scheduled: list[ScheduledRequest], busy: frozenset[str]) -> bool:
+        """Allocate, preempting requests neither scheduled this step nor `busy` (possibly
+        `request`)."""
         while not self.kv.allocate(request, num_new):
-            taken = {s.request_id for s in scheduled}
+            taken = {s.request_id for s in scheduled} | busy
             candidates = [r for r in self.running if r.request_id not in taken]
             victim = (max(candidates, key=lambda r: r.sort_key())
                       if self.config.policy == "priority" else candidates[-1])
@@ -161,9 +167,11 @@ class Scheduler:
         self.num_preemptions += 1
         self._enqueue(request)
 
-    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int,
+                       max_seqs: int) -> int:
         deferred = []  # waiting for their grammar with nothing to prefill meanwhile
-        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(scheduled) < max_seqs):
             request = self._waiting[0][2]
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size

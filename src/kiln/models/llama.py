@@ -7,7 +7,9 @@ metadata are passed in explicitly. Parameter names follow the HF checkpoints exc
 projections (`qkv_proj`, `gate_up_proj`), which the loader fills shard by shard.
 
 Built with a `TensorParallel` other than SINGLE, a module holds one rank's part: its heads,
-its columns of the MLP, its rows of the vocabulary (kiln.models.layers.parallel).
+its columns of the MLP, its rows of the vocabulary (kiln.models.layers.parallel). Built with a
+`PipelineStage`, it holds one stage's decoder layers (kiln.models.layers.pipeline): `embed`,
+`run_layers` and `final_norm` are the stage-sized pieces of `forward`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kiln.models.layers.linear import Linear, LinearMethod
 from kiln.models.layers.norm import RMSNorm
 from kiln.models.layers.ops import TorchOps, split_heads
 from kiln.models.layers.parallel import SINGLE, TensorParallel
+from kiln.models.layers.pipeline import PipelineStage
 from kiln.models.layers.rotary import RotaryEmbedding
 
 # HF checkpoint module name -> (fused kiln module, shard index)
@@ -172,13 +175,19 @@ def norm_eps(layer: LlamaDecoderLayer) -> float:
 class LlamaModel(nn.Module):
     def __init__(self, a: LlamaArch, method_for: MethodFor, dtype, backend, ops,
                  tp: TensorParallel = SINGLE,
-                 make_layer: Callable[[int], nn.Module] | None = None):
+                 make_layer: Callable[[int], nn.Module] | None = None,
+                 stage: PipelineStage | None = None):
         super().__init__()
-        self.embed_tokens = tp.embedding(a.vocab_size, a.hidden_size, dtype)
+        stage = stage or PipelineStage.whole(a.num_layers)
+        if stage.is_first or (stage.is_last and a.tie_word_embeddings):  # (a tied LM head's
+            self.embed_tokens = tp.embedding(a.vocab_size, a.hidden_size, dtype)  # source)
         make_layer = make_layer or (lambda i: LlamaDecoderLayer(
             a, f"model.layers.{i}", method_for, dtype, backend, ops, tp))
-        self.layers = nn.ModuleList(make_layer(i) for i in range(a.num_layers))
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        # other stages' layers are empty placeholders: parameter names stay the checkpoint's
+        self.layers = nn.ModuleList(make_layer(i) if i in stage.layers else nn.Identity()
+                                    for i in range(a.num_layers))
+        if stage.is_last:
+            self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -192,23 +201,26 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, a: LlamaArch, dtype: torch.dtype, backend: AttentionBackend,
                  method_for: MethodFor = lambda prefix: None, ops: TorchOps | None = None,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, stage: PipelineStage | None = None):
         super().__init__()
         self.arch, self.tp = a, tp
+        self.stage = stage or PipelineStage.whole(a.num_layers)
         self.ops = ops or TorchOps()
         make_layer = self.layer_maker(a, method_for, dtype, backend, self.ops)
         if make_layer is not None and tp.size > 1 and not self.tensor_parallel_layers:
             raise ValueError(f"tensor_parallel_size {tp.size}: {type(self).__name__} runs in one "
                              f"process only (its layers do not split over ranks); use 1")
-        self.model = LlamaModel(a, method_for, dtype, backend, self.ops, tp, make_layer)
+        self.model = LlamaModel(a, method_for, dtype, backend, self.ops, tp, make_layer,
+                                self.stage)
         self.rotary = self.make_rotary(a, dtype)
         # with tied embeddings the loader fills lm_head from embed_tokens (packed separately),
         # which already holds just this rank's rows of the vocabulary
         vocab = tp.vocab_rows(a.vocab_size)
         per_rank = tp.vocab_per_rank(a.vocab_size)
         rows = slice(0, per_rank) if a.tie_word_embeddings else vocab
-        self.lm_head = Linear(a.hidden_size, per_rank, dtype=dtype,
-                              method=tp.column(method_for("lm_head"), (rows,)))
+        if self.stage.is_last:
+            self.lm_head = Linear(a.hidden_size, per_rank, dtype=dtype,
+                                  method=tp.column(method_for("lm_head"), (rows,)))
 
     def make_rotary(self, a: LlamaArch, dtype: torch.dtype) -> RotaryEmbedding:
         """The rotary tables, over whole heads (a hook: GLM-4.5 rotates part of each head)."""
@@ -224,11 +236,36 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.model.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        x, residual = self.run_layers(self.embed(input_ids), None, positions, kv_caches, meta)
+        return self.final_norm(x, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, H] (the first stage)."""
+        return self.model.embed_tokens(input_ids)
+
+    def run_layers(self, x: torch.Tensor, residual: torch.Tensor | None,
+                   positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                   meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """This stage's decoder layers (`kv_caches`: one per layer of the stage) over the
+        residual stream: (x, residual) -> (x, residual), residual None before the first."""
+        layers = [self.model.layers[i] for i in self.stage.layers]
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
+        return x, residual
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last residual add and the final RMSNorm: the hidden states [T, H] (the last
+        stage)."""
         norm = self.model.norm
         return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
+
+    def holds_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to this stage (the loader skips others)."""
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) in self.stage.layers
+        if name.startswith("model.embed_tokens."):
+            return hasattr(self.model, "embed_tokens")
+        return self.stage.is_last or not name.startswith(("model.norm.", "lm_head."))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, V] from the LM head's fp32 sums (never rounded to the model dtype)."""

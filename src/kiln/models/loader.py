@@ -60,16 +60,19 @@ def weight_files(path: Path) -> list[Path]:
 
 def load_model(path: str | Path, dtype: torch.dtype, backend,
                quantization: str | None = None, linear_backend: str = "auto",
-               ops=None, tp=None) -> LoadedModel:
-    """`tp` (a kiln.models.layers.parallel.TensorParallel): load only this rank's part."""
+               ops=None, tp=None, stage=None) -> LoadedModel:
+    """`tp` (a kiln.models.layers.parallel.TensorParallel): load only this rank's part;
+    `stage` (a kiln.models.layers.pipeline.PipelineStage): only this stage's layers."""
     path = Path(path)
     hf_config = read_hf_config(path)
     cls, arch = resolve_architecture(hf_config)
     method_for = _method_chooser(hf_config, quantization, dense_method(dtype, linear_backend))
     sharded = {} if tp is None else {"tp": tp}
+    if stage is not None:
+        sharded["stage"] = stage
     model = cls(arch, dtype=dtype, backend=backend, method_for=method_for, ops=ops, **sharded)
     _load_weights(model, path)
-    if arch.tie_word_embeddings:
+    if arch.tie_word_embeddings and hasattr(model, "lm_head"):  # (of a pipeline: the last stage)
         model.lm_head.method.load_shard(model.lm_head, 0, "weight",
                                         model.model.embed_tokens.weight)
     for module in model.modules():
@@ -145,11 +148,14 @@ def _load_weights(model: nn.Module, path: Path) -> None:
     loaded: set[str] = set()
     # a model's checkpoint parts it does not run (GLM-4.5's multi-token-prediction layers)
     unused = getattr(model, "unused_checkpoint_prefixes", ())
+    # a pipeline stage's model holds only its layers' tensors
+    holds = getattr(model, "holds_tensor", lambda name: True)
     for file in weight_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    if name.endswith(_IGNORED_SUFFIXES) or name.startswith(unused):
+                    if (name.endswith(_IGNORED_SUFFIXES) or name.startswith(unused)
+                            or not holds(name)):
                         continue
                     loaded.add(_load_one(model, name, f.get_tensor(name)))
         except (OSError, RuntimeError, ValueError, SafetensorError) as exc:

@@ -6,11 +6,14 @@ sample (and verify draft tokens) and compute logprobs.
 
 With tensor parallelism (`parallel.tensor_parallel_size` > 1) this runner is rank 0: it
 starts the other ranks (kiln.runner.rank_loop) and tells them each step before running its
-own part; a following rank's runner (built with `ranks`) runs `follow_step` instead.
+own part; a following rank's runner (built with `ranks`) runs `follow_step` instead. With
+pipeline parallelism (`pipeline_parallel_size` > 1) each rank holds one stage's layers and
+runs them through kiln.runner.pipeline; rank 0 is the last stage.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -40,6 +43,13 @@ from kiln.runner.batch import BatchInputs, LogitsRows, build_batch
 from kiln.runner.cuda_graphs import DecodeGraphs, GraphBackend, capture_sizes
 from kiln.runner.device_memory import DeviceMemory, activation_reserve, gpu_kv_blocks, measure
 from kiln.runner.hooks import NoGrammar, StepGrammar, StepGrammarFactory, VerifyShortlist
+from kiln.runner.pipeline import (
+    StageRunner,
+    check_stages,
+    kv_budget_layers,
+    num_micro_batches,
+    pipeline_stage,
+)
 from kiln.runner.rank_loop import AllocateKV, Leader, MoveSlots, RunStep, step_seqs
 from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs, take_rows
 from kiln.runner.verify import VerifyGroup, verify
@@ -112,7 +122,7 @@ class ModelRunner:
                  parallel: ParallelConfig, eos_token_ids: frozenset[int],
                  ranks: RankGroup | None = None):
         """`ranks`: this is a following rank of a tensor-parallel engine (rank_loop.main)."""
-        size = parallel.tensor_parallel_size
+        size = parallel.world_size
         torch.set_num_threads(parallel.num_threads or (
             default_num_threads() if size == 1 else default_threads_per_rank(size)))
         self.platform = Platform.detect(model_config)
@@ -124,11 +134,14 @@ class ModelRunner:
         self.leader = self._start_ranks(model_config, model_path, cache, parallel, ranks)
         if self.leader is not None:
             ranks = self.leader.group
-        tp = SINGLE if ranks is None else TensorParallel(
+        tp = SINGLE if ranks is None or ranks.comm is None else TensorParallel(
             ranks.comm, ExpertParallelOptions.from_parallel(parallel))
+        pipe = None if ranks is None else ranks.pipe
         loaded = load_model(model_path, self.dtype, self.backend, model_config.quantization,
                             self.platform.linear_backend, self.ops,
-                            tp=None if ranks is None else tp)
+                            tp=None if ranks is None else tp,
+                            stage=None if pipe is None else pipeline_stage(
+                                parallel, pipe.stage, model_path))
         # built and loaded on the CPU (the LinearMethod contract), then on the platform's device
         self.model, self.hf_config = loaded.model.to(self.device), loaded.hf_config
         use_kernels(self.model, self.platform.kernels)  # e.g. quantized linears' Triton GEMV
@@ -140,6 +153,15 @@ class ModelRunner:
                                     arch.head_dim)
         self.kv_spec = KVCacheSpec(arch.num_layers, layout.num_heads, layout.head_dim,
                                    self.dtype, cache.block_size, layout.holds)
+        self.kv_layers = arch.num_layers  # layers this rank allocates KV for
+        # pipeline parallelism: this rank's stage of each step (kiln.runner.pipeline)
+        self.stages = None if pipe is None else StageRunner(
+            self.model, self.backend, pipe, num_micro_batches(parallel), cache.block_size,
+            self.device, self.dtype)
+        if self.stages is not None:  # KV for its layers, blocks sized for the largest stage
+            self.kv_layers = len(self.model.stage.layers)
+            self.kv_spec = dataclasses.replace(
+                self.kv_spec, num_layers=kv_budget_layers(parallel, arch))
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []  # per layer: (K, V) or (latent,)
         self.sampler = Sampler(arch.vocab_size, eos_token_ids, model_config.seed, self.device)
         self._generators: dict[str, torch.Generator] = {}
@@ -154,7 +176,7 @@ class ModelRunner:
         # enforce_eager, with a backend that can be captured; their padding rows write to a
         # scratch block allocated past the pool's blocks
         self.use_graphs = (self.device.type == "cuda" and not model_config.enforce_eager
-                           and isinstance(self.backend, GraphBackend))
+                           and isinstance(self.backend, GraphBackend) and self.stages is None)
         self.graphs: DecodeGraphs | None = None
 
     @staticmethod
@@ -162,19 +184,42 @@ class ModelRunner:
                      parallel: ParallelConfig, ranks: RankGroup | None) -> Leader | None:
         """Rank 0 of a tensor-parallel engine: check the model splits (before any process
         starts), start the other ranks and join them. None for one process or a follower."""
-        size = parallel.tensor_parallel_size
+        size = parallel.world_size
         if size == 1 or ranks is not None:
             return None
-        _, arch = resolve_architecture(hf_config := read_hf_config(model_path))
-        check_tensor_parallel(size, arch.num_heads, arch.num_kv_heads, arch.intermediate_size)
-        if getattr(arch, "moe", None) is not None:  # a MoE family's experts over the ranks
-            check_expert_parallel(arch.moe, size, ExpertParallelOptions.from_parallel(parallel))
-        check_row_formats(size, hf_config, model_config.quantization,
-                          {"o_proj": arch.num_heads * arch.head_dim,
-                           "down_proj": arch.intermediate_size})
-        log.info("tensor parallel over %d ranks: decoder layers run one call each (the fused "
-                 "stack has no collective)", size)
+        model_class, arch = resolve_architecture(hf_config := read_hf_config(model_path))
+        if parallel.pipeline_parallel_size > 1:
+            check_stages(parallel, model_class, arch.num_layers)
+        tp_size = parallel.tensor_parallel_size
+        if tp_size > 1:
+            check_tensor_parallel(tp_size, arch.num_heads, arch.num_kv_heads,
+                                  arch.intermediate_size)
+            if getattr(arch, "moe", None) is not None:  # a MoE family's experts over the ranks
+                check_expert_parallel(arch.moe, tp_size,
+                                      ExpertParallelOptions.from_parallel(parallel))
+            check_row_formats(tp_size, hf_config, model_config.quantization,
+                              {"o_proj": arch.num_heads * arch.head_dim,
+                               "down_proj": arch.intermediate_size})
+        log.info("%d ranks: decoder layers run one call each (the fused stack has no "
+                 "collective and no stages)", size)
         return Leader.start(model_config, model_path, cache, parallel)
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Steps the engine may keep in flight (kiln.engine.pipelined): one per stage on
+        rank 0 of a pipeline, else 1."""
+        if self.stages is None or self.leader is None or self.model.tp.size > 1:
+            # (with tensor-parallel stages, the last stage's other ranks run each step's
+            # all-reduces in lockstep with this one: one step at a time)
+            return 1
+        return self.stages.stage.count
+
+    def submit(self, sched: SchedulerOutput, logits_rows: list[int] | None = None) -> None:
+        """Pipeline parallelism: start `sched` down the stages now; `execute(sched)` finishes
+        it here later, steps in the order submitted. `logits_rows`: the last stage's other
+        tensor-parallel ranks compute their share of those rows' logits."""
+        self.leader.send(RunStep(step_seqs(sched), logits_rows))
+        self.stages.post(sched)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing to do in one process)."""
@@ -204,7 +249,7 @@ class ModelRunner:
         self.graphs, self.pool_blocks = None, num_blocks  # graphs hold the old caches
         shape = ((num_blocks + self.use_graphs) * s.block_size, s.num_kv_heads, s.head_dim)
         self.kv_caches = []
-        for _ in range(s.num_layers):
+        for _ in range(self.kv_layers):
             tensors = tuple(torch.empty(shape, dtype=s.dtype, device=self.device)
                             for _ in range(s.layout.num_tensors))
             for t in tensors:
@@ -253,6 +298,11 @@ class ModelRunner:
         `logits`: the LM head runs next on the batch's logits rows (the other ranks join)."""
         self.release(sched.finished_ids)
         batch = build_batch(sched, self.device)
+        if self.stages is not None:  # this rank's stage over the step's micro-batches
+            if self.leader is not None and not self.stages.is_posted(sched):
+                shared_head = logits and self.model.tp.size > 1
+                self.submit(sched, batch.logits_index.tolist() if shared_head else None)
+            return batch, self.stages.run(sched, self.kv_caches)
         if self.leader is not None:
             rows = batch.logits_index.tolist() if logits else None
             self.leader.send(RunStep(step_seqs(sched), rows))
@@ -268,7 +318,7 @@ class ModelRunner:
     def follow_step(self, sched: SchedulerOutput, logits_index: list[int] | None) -> None:
         """A following rank's share of rank 0's step: the forward, then its LM head rows."""
         _, hidden = self.forward(sched)
-        if logits_index is not None:
+        if logits_index is not None and hidden is not None:  # (None: not the last stage)
             self.model.compute_logits(hidden[torch.tensor(logits_index, dtype=torch.int64)])
 
     def _run_model(self, batch: BatchInputs, meta: AttentionMetadata) -> torch.Tensor:

@@ -1,14 +1,16 @@
-"""The ranks of a tensor-parallel engine: rank 0 leads, the others follow its steps.
+"""The ranks of a tensor- or pipeline-parallel engine: rank 0 leads, the others follow its steps.
 
-Rank 0 owns the scheduler (EngineCore) and the sampler; ranks 1..T-1 own only their part of
-the model and of the KV cache. Whatever rank 0's runner does to the model or the cache, it
-first tells the others in a `RankCommand` (a msgspec struct broadcast as bytes over the step
+Rank 0 owns the scheduler (EngineCore) and the sampler; ranks 1..N-1 own only their part of
+the model and of the KV cache (their heads, their pipeline stage's layers, or both). Whatever
+rank 0's runner does to the model or the cache, it first tells the others in a `RankCommand` (a msgspec struct broadcast as bytes over the step
 channel, kiln.distributed.step_channel; never pickled), and every rank then does the same:
 
   - `AllocateKV`: size the KV cache (rank 0 decides the block count).
   - `RunStep`: the step's sequences as the batch needs them (tokens, start position, block
     table, draft tree) and the hidden rows to compute logits of; every rank runs the forward
     (its all-reduces meet in the model) and its share of the LM head, gathered to rank 0.
+    Pipeline stages run their layers over the step's micro-batches instead, passing
+    activations on (kiln.runner.pipeline); rank 0, the last stage, computes the logits.
   - `MoveSlots`: move KV between slots (an accepted draft tree's path).
   - `Stop`: the engine is shutting down.
 
@@ -123,11 +125,13 @@ class Leader:
     @classmethod
     def start(cls, model: ModelConfig, model_path: str, cache: CacheConfig,
               parallel: ParallelConfig) -> Leader:
-        """Start ranks 1..T-1 and join them (returns once all are connected)."""
-        size, timeout = parallel.tensor_parallel_size, parallel.dist_timeout_s
+        """Start ranks 1..N-1 and join them (returns once all are connected)."""
+        size, timeout = parallel.world_size, parallel.dist_timeout_s
+        pipeline = parallel.pipeline_parallel_size > 1
+        tensor = parallel.tensor_parallel_size > 1
         threads = parallel.num_threads or default_threads_per_rank(size)
-        # rank 0 decides "auto" for all: every rank must sum the same way
-        parallel = dataclasses.replace(parallel, all_reduce=resolve_all_reduce(parallel))
+        if tensor:  # rank 0 decides "auto" for all: every rank must sum the same way
+            parallel = dataclasses.replace(parallel, all_reduce=resolve_all_reduce(parallel))
         store = open_store(size, timeout)
         processes = []
         for rank in range(1, size):
@@ -138,14 +142,17 @@ class Leader:
         try:
             wait_until_started(store, processes)
             group = join_groups(store, 0, size, timeout, parallel.all_reduce,
-                                all_reduce_name(os.getpid(), store.port))
+                                all_reduce_name(os.getpid(), store.port),
+                                parallel.pipeline_parallel_size)
         except (RuntimeError, RankFailure) as exc:
             codes = [p.poll() for p in processes]
             _kill(processes)
-            raise RankFailure(f"tensor-parallel ranks did not start (exit codes {codes}): "
-                              f"{exc}") from exc
-        log.info("tensor parallel: %d ranks, %d threads each, all-reduce %s, gloo over "
-                 "127.0.0.1:%d", size, threads, parallel.all_reduce, store.port)
+            raise RankFailure(f"{'pipeline' if pipeline else 'tensor'}-parallel ranks did not "
+                              f"start (exit codes {codes}): {exc}") from exc
+        log.info("tensor x pipeline parallel: %d x %d ranks, %d threads each, %s, gloo over "
+                 "127.0.0.1:%d", parallel.tensor_parallel_size,
+                 parallel.pipeline_parallel_size, threads,
+                 f"all-reduce {parallel.all_reduce}" if tensor else "stage to stage", store.port)
         return cls(group, processes, store)
 
     def send(self, command: RankCommand) -> None:
