@@ -7,7 +7,8 @@ The exact command of the issue, `vllm bench serve --backend openai --dataset-nam
 drift on a shared machine falls on both. Against kiln it also runs `kiln bench serve` with the
 same shape (the two clients must agree within 10%), and once, in its own process, kiln's
 offline engine on the same 48 x 256/128 workload with at most 16 sequences running (the HTTP
-path's target is >= 0.9x that).
+path's target is >= 0.9x that). vLLM's client sends no temperature (the server default, 1.0,
+random sampling), so kiln's client and the offline run sample at 1.0 too.
 
 Prints medians of output tok/s, TTFT and TPOT per server and the ratios the issue targets
 (kiln/vLLM output >= 1.2, TTFT <= 0.8; HTTP/offline >= 0.9); writes a JSON and a PNG.
@@ -91,7 +92,7 @@ def kiln_bench(port: int, seed: int) -> dict:
         out = Path(tmp) / "k.json"
         subprocess.run([str(KILN), "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
                         "--model", served_name(port), "--workload", "random",
-                        "--endpoint", "completions",
+                        "--endpoint", "completions", "--temperature", "1.0",
                         "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
                         "--num-requests", str(PROMPTS), "--concurrency", str(CONCURRENCY),
                         "--ignore-eos", "--seed", str(seed), "--no-progress", "--out", str(out)],
@@ -133,7 +134,7 @@ model, seqs, in_len, n, out_len = sys.argv[1], *map(int, sys.argv[2:])
 llm = LLM(model, max_num_seqs=seqs)
 rng = random.Random(0)
 prompts = [[rng.randrange(100, 49000) for _ in range(in_len)] for _ in range(n)]
-sp = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+sp = SamplingParams(max_tokens=out_len, temperature=1.0, ignore_eos=True)
 llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4))
 t = time.perf_counter()
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)

@@ -81,6 +81,10 @@ def test_request_bodies_follow_the_openai_streaming_contract(server):
     body = request_body(chat, spec)
     assert body["messages"][0] == {"role": "system", "content": "S "}
     assert "ignore_eos" not in body
+    sampled = ServerConfig("http://x", "m", temperature=1.0)  # as vLLM's client leaves it
+    assert request_body(sampled, spec)["temperature"] == 1.0
+    with pytest.raises(ValueError, match="--temperature"):
+        ServerConfig("http://x", "m", temperature=-1.0)
 
 
 def test_multi_turn_resends_the_conversation_with_real_replies(tok):

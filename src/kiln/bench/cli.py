@@ -102,6 +102,9 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="send ignore_eos so replies have their full output length")
     g.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (default 0: greedy; vLLM's "
+                   "`vllm bench serve` sends none, i.e. the server's default of 1.0)")
     g.add_argument("--api-key", default=None,
                    help="bearer token (default: $KILN_API_KEY or $OPENAI_API_KEY)")
     g.add_argument("--tokenizer", help="tokenizer directory used to size prompts (default: "
@@ -166,7 +169,8 @@ def load_from_args(args: argparse.Namespace, workload: WorkloadConfig) -> LoadCo
 
 def server_from_args(args: argparse.Namespace, base_url: str, model: str) -> ServerConfig:
     return ServerConfig(base_url=base_url, model=model, endpoint=Endpoint(args.endpoint),
-                        ignore_eos=args.ignore_eos, request_timeout_s=args.request_timeout)
+                        ignore_eos=args.ignore_eos, request_timeout_s=args.request_timeout,
+                        temperature=args.temperature)
 
 
 def bench_config_from_args(args: argparse.Namespace, server: ServerConfig,

@@ -77,7 +77,7 @@ class _Stream:
 
 def request_body(server: ServerConfig, spec: RequestSpec) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": server.model, "max_tokens": spec.max_tokens, "temperature": 0.0,
+        "model": server.model, "max_tokens": spec.max_tokens, "temperature": server.temperature,
         "stream": True, "stream_options": {"include_usage": True},
     }
     if server.ignore_eos:

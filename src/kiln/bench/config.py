@@ -38,12 +38,14 @@ class ServerConfig:
     endpoint: Endpoint = Endpoint.CHAT
     ignore_eos: bool = True  # send `ignore_eos: true` so every reply has its full max_tokens
     request_timeout_s: float = 600.0  # a request still running after this is a "timeout" error
+    temperature: float = 0.0  # sent with every request (vLLM's client sends none: 1.0)
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"--base-url must start with http:// or https://, got {self.base_url!r}")
         object.__setattr__(self, "base_url", self.base_url.rstrip("/").removesuffix("/v1"))
         _require(self.request_timeout_s > 0, "--request-timeout must be > 0")
+        _require(self.temperature >= 0, "--temperature must be >= 0")
 
     @property
     def url(self) -> str:
