@@ -134,6 +134,17 @@ class ParallelConfig:
     dist_timeout_s: float = field(default=60.0, metadata=doc(
         "seconds a collective between ranks may wait before the engine fails (a dead rank "
         "fails it at once)"))
+    # several machines (docs/parallelism.md "Across machines"): node R runs global ranks
+    # R*L .. R*L+L-1 (L = world_size / nnodes); node 0 runs rank 0, the engine
+    nnodes: int = field(default=1, metadata=doc(
+        "machines (nodes) the ranks are spread over; every node is started with the same "
+        "flags and its --node-rank"))
+    node_rank: int = field(default=0, metadata=doc(
+        "this node's index: 0 runs the engine (scheduler, rank 0), R > 0 only its ranks "
+        "(`kiln worker --node-rank R ...`)"))
+    dist_init_addr: str | None = field(default=None, metadata=doc(
+        "HOST:PORT where the ranks meet (a TCP store on node 0; node 0's address as the "
+        "other nodes reach it)", none_means="127.0.0.1 on a port the OS picks (one node)"))
     # mixture-of-experts models over the ranks (kiln.models.layers.expert_parallel,
     # docs/moe.md "Expert parallelism"): experts split by columns (default) or placed whole
     enable_expert_parallel: bool = field(default=False, metadata=doc(
@@ -162,6 +173,33 @@ class ParallelConfig:
             raise ValueError(f"num_redundant_experts {self.num_redundant_experts} needs "
                              f"enable_expert_parallel (copies of whole experts on ranks)")
         self._check_pipeline()
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        n, r = self.nnodes, self.node_rank
+        if n < 1:
+            raise ValueError(f"nnodes must be >= 1, got {n}")
+        if not 0 <= r < n:
+            raise ValueError(f"node_rank {r} is out of range for nnodes {n} (0..{n - 1})")
+        if self.world_size % n:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} x "
+                             f"pipeline_parallel_size {self.pipeline_parallel_size} = "
+                             f"{self.world_size} ranks do not split evenly over nnodes {n}")
+        if self.dist_init_addr is not None:
+            split_host_port(self.dist_init_addr)
+        elif n > 1:
+            raise ValueError(f"nnodes {n} needs dist_init_addr HOST:PORT (node 0's address, "
+                             f"where the ranks meet)")
+        tp, per_node = self.tensor_parallel_size, self.ranks_per_node
+        if self.all_reduce == "shm" and per_node % tp:
+            raise ValueError(f"all_reduce shm needs each tensor-parallel group on one node: "
+                             f"tensor_parallel_size {tp} does not divide the {per_node} "
+                             f"ranks per node")
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Rank processes on each node (world_size / nnodes)."""
+        return self.world_size // self.nnodes
 
     def _check_pipeline(self) -> None:
         p, m = self.pipeline_parallel_size, self.pipeline_micro_batches
@@ -174,6 +212,16 @@ class ParallelConfig:
     def world_size(self) -> int:
         """Rank processes of one engine."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """`HOST:PORT` (`[v6]:PORT` for IPv6) as (host, port); ValueError naming it otherwise."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"dist_init_addr must be HOST:PORT with a port in 1..65535, got "
+                         f"{address!r}")
+    return host, int(port)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,10 @@ Its KV transfer socket binds --transfer-host, 127.0.0.1 unless told otherwise: g
 interface (or 0.0.0.0) where decode workers on other machines pull its blocks.
 Set KILN_CLUSTER_TOKEN to the same secret on the gateway and every worker to keep strangers out.
 SIGTERM makes the worker say Goodbye: the gateway moves its requests elsewhere at once.
+
+An engine over several machines (docs/parallelism.md, "Across machines"): node 0 runs the
+worker (`--nnodes N --node-rank 0 --dist-init-addr A:PORT`); every other node runs
+`kiln worker` with the same flags, `--node-rank R` and no --gateway: its ranks only.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("worker", help="an engine worker that joins a running gateway",
                        description="Load the model and serve a gateway's requests "
                                    "(kiln serve --cluster-address) from this machine.")
-    add_flags(p.add_argument_group("worker"), WorkerConfig, required=("gateway_address",),
+    add_flags(p.add_argument_group("worker"), WorkerConfig,
               computed={"worker_id": "HOST-PID",
                         "advertise_host": "--transfer-host; with 0.0.0.0, the address this "
                                           "machine reaches the gateway from"})
@@ -55,6 +59,9 @@ def local_address_towards(gateway: str) -> str:
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     given = flags_given(args, WorkerConfig)
+    if "gateway_address" not in given:
+        raise ValueError("--gateway is required (but on a node of rank > 0, --node-rank R, "
+                         "which runs only its ranks of node 0's engine)")
     if not given["gateway_address"].startswith("tcp://"):
         raise ValueError(f"--gateway must be tcp://HOST:PORT, got {given['gateway_address']!r}")
     config = WorkerConfig(engine=engine_config(args), **{"worker_id": default_worker_id(),
@@ -68,6 +75,12 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
 def run(args: argparse.Namespace) -> int:
     from kiln.cluster.worker import Worker, run_worker
 
+    engine = engine_config(args)
+    if engine.parallel.node_rank > 0:  # several machines: this one runs only its ranks
+        from kiln.distributed.cli import run_node
+        from kiln.engine.core import resolve_model_path
+
+        return run_node(resolve_model_path(engine.model.model), engine.parallel)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     config = worker_config(args)
 

@@ -42,11 +42,18 @@ class Communicator(Protocol):
 
 
 def open_gloo_group(store: dist.Store, name: str, rank: int, world_size: int,
-                    timeout_s: float) -> dist.ProcessGroupGloo:
+                    timeout_s: float, host: str | None = None) -> dist.ProcessGroupGloo:
     """A gloo group of its own (not torch.distributed's global default group, so several
-    engines can live in one process): `name` keeps its rendezvous keys apart in `store`."""
-    return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world_size,
-                                 timedelta(seconds=timeout_s))
+    engines can live in one process): `name` keeps its rendezvous keys apart in `store`.
+    `host`: the address this rank listens on and tells its peers (across machines, the one
+    they reach it at); None: gloo's default (this machine's hostname, else loopback)."""
+    prefixed, timeout = dist.PrefixStore(name, store), timedelta(seconds=timeout_s)
+    if host is None:
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
 
 
 class GlooCommunicator:

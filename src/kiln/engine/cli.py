@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 from kiln.config import (
@@ -21,6 +22,7 @@ from kiln.config import (
 )
 from kiln.config_cli import add_flags, config_from_flags, flags_given
 from kiln.config_speculative import SpeculativeConfig
+from kiln.distributed.launch import torchrun_nodes
 from kiln.speculative.resolve import resolve_speculative_config
 
 
@@ -61,7 +63,8 @@ def engine_config(args: argparse.Namespace, threads: int | None = None) -> Engin
         model=config_from_flags(args, ModelConfig),
         cache=config_from_flags(args, CacheConfig),
         scheduler=config_from_flags(args, SchedulerConfig),
-        parallel=ParallelConfig(**{"num_threads": threads, **flags_given(args, ParallelConfig)}),
+        parallel=ParallelConfig(**{"num_threads": threads, **torchrun_nodes(os.environ),
+                                   **flags_given(args, ParallelConfig)}),
         speculative=speculative_config(args),
         structured=config_from_flags(args, StructuredConfig))
 

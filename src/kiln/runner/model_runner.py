@@ -124,7 +124,8 @@ class ModelRunner:
         """`ranks`: this is a following rank of a tensor-parallel engine (rank_loop.main)."""
         size = parallel.world_size
         torch.set_num_threads(parallel.num_threads or (
-            default_num_threads() if size == 1 else default_threads_per_rank(size)))
+            default_num_threads() if size == 1 else default_threads_per_rank(
+                parallel.ranks_per_node)))
         self.platform = Platform.detect(model_config)
         log.info("platform: %s", self.platform.describe())
         self.dtype, self.device = self.platform.dtype, self.platform.device
@@ -332,10 +333,10 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         try:
             return self._execute(sched)
-        except RankFailure:
-            if self.leader is not None:  # the engine cannot go on: stop the other ranks
-                self.leader.abort()
-            raise
+        except RankFailure as exc:
+            if self.leader is None:
+                raise
+            raise self.leader.fail(exc) from exc  # the engine cannot go on: stop the others
 
     @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:

@@ -32,12 +32,14 @@ import time
 import msgspec
 import torch
 
-from kiln.config import CacheConfig, ModelConfig, ParallelConfig
+from kiln.config import CacheConfig, ModelConfig, ParallelConfig, split_host_port
 from kiln.distributed.communicator import RankFailure, shm_available
 from kiln.distributed.launch import (
+    LOOPBACK,
     RankGroup,
     default_threads_per_rank,
     join_groups,
+    node_address,
     open_store,
     spawn_rank,
 )
@@ -92,6 +94,20 @@ class RankLaunch(msgspec.Struct):
     rank: int
     store_port: int
     parent_pid: int
+    store_host: str = LOOPBACK
+    gloo_host: str | None = None  # the address its gloo listens on (several nodes)
+
+
+class NodeSpec(msgspec.Struct):
+    """What node 0 publishes in the store (`ENGINE_KEY`) for the other nodes: its engine's
+    settings, which every node's ranks must share (each node reads its own model path)."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    parallel: ParallelConfig  # all_reduce as given: each node resolves "auto" for itself
+
+
+ENGINE_KEY = "kiln/engine"
 
 
 def step_seqs(sched: SchedulerOutput) -> list[StepSeq]:
@@ -115,9 +131,10 @@ class Leader:
     """Rank 0's handle on the other ranks: their processes, the groups, the command stream."""
 
     def __init__(self, group: RankGroup, processes: list[subprocess.Popen],
-                 store: torch.distributed.Store):
+                 store: torch.distributed.Store, parallel: ParallelConfig):
         self.group, self.processes = group, processes
         self.store = store  # the rendezvous store lives as long as the groups
+        self.parallel = parallel
         self.encoder = msgspec.msgpack.Encoder()
         self.closed = False
         atexit.register(self.close)
@@ -125,42 +142,57 @@ class Leader:
     @classmethod
     def start(cls, model: ModelConfig, model_path: str, cache: CacheConfig,
               parallel: ParallelConfig) -> Leader:
-        """Start ranks 1..N-1 and join them (returns once all are connected)."""
+        """Start this node's ranks 1..L-1 and join them with every node's (returns once all
+        are connected). Node 0 only: a node R > 0 runs its ranks with `run_node`."""
+        if parallel.node_rank:
+            raise ValueError(f"node_rank {parallel.node_rank} runs only its ranks: start it "
+                             f"with `kiln worker --node-rank {parallel.node_rank} ...` (the "
+                             f"engine, rank 0, runs on node 0)")
         size, timeout = parallel.world_size, parallel.dist_timeout_s
         pipeline = parallel.pipeline_parallel_size > 1
-        tensor = parallel.tensor_parallel_size > 1
-        threads = parallel.num_threads or default_threads_per_rank(size)
-        if tensor:  # rank 0 decides "auto" for all: every rank must sum the same way
-            parallel = dataclasses.replace(parallel, all_reduce=resolve_all_reduce(parallel))
-        store = open_store(size, timeout)
-        processes = []
-        for rank in range(1, size):
-            launch = RankLaunch(model, str(model_path), cache, parallel, rank, store.port,
-                                os.getpid())
-            processes.append(spawn_rank("kiln.distributed.cli", [
-                "--launch-json", msgspec.json.encode(launch).decode()], threads))
+        threads = parallel.num_threads or default_threads_per_rank(parallel.ranks_per_node)
+        published = NodeSpec(model, cache, parallel)
+        parallel = with_resolved_all_reduce(parallel)
+        host, port = (split_host_port(parallel.dist_init_addr) if parallel.dist_init_addr
+                      else (LOOPBACK, 0))
+        store = open_store(size, timeout, host, port)
+        gloo_host = node_address(host) if parallel.nnodes > 1 else None
+        store.set(ENGINE_KEY, msgspec.json.encode(published))
+        processes = [spawn_follower(RankLaunch(model, str(model_path), cache, parallel, rank,
+                                               store.port, os.getpid(), host, gloo_host),
+                                    threads)
+                     for rank in range(1, parallel.ranks_per_node)]
         try:
-            wait_until_started(store, processes)
+            wait_until_started(store, processes, parallel)
             group = join_groups(store, 0, size, timeout, parallel.all_reduce,
                                 all_reduce_name(os.getpid(), store.port),
-                                parallel.pipeline_parallel_size)
+                                parallel.pipeline_parallel_size, parallel.ranks_per_node,
+                                gloo_host)
         except (RuntimeError, RankFailure) as exc:
             codes = [p.poll() for p in processes]
             _kill(processes)
             raise RankFailure(f"{'pipeline' if pipeline else 'tensor'}-parallel ranks did not "
                               f"start (exit codes {codes}): {exc}") from exc
-        log.info("tensor x pipeline parallel: %d x %d ranks, %d threads each, %s, gloo over "
-                 "127.0.0.1:%d", parallel.tensor_parallel_size,
-                 parallel.pipeline_parallel_size, threads,
-                 f"all-reduce {parallel.all_reduce}" if tensor else "stage to stage", store.port)
-        return cls(group, processes, store)
+        log.info("tensor x pipeline parallel: %d x %d ranks over %d node(s), %d threads each, "
+                 "%s, gloo over %s:%d", parallel.tensor_parallel_size,
+                 parallel.pipeline_parallel_size, parallel.nnodes, threads,
+                 f"all-reduce {parallel.all_reduce}" if parallel.tensor_parallel_size > 1
+                 else "stage to stage", host, store.port)
+        return cls(group, processes, store, parallel)
 
     def send(self, command: RankCommand) -> None:
         try:
             self.group.steps.send(self.encoder.encode(command))
-        except RankFailure:
-            self.abort()
-            raise
+        except RankFailure as exc:
+            raise self.fail(exc) from exc
+
+    def fail(self, failure: RankFailure) -> RankFailure:
+        """After `failure`: abort, and return it with what the other nodes reported (which
+        node and rank failed), to raise."""
+        note = (nodes_report(self.store, self.processes, self.parallel)
+                if self.parallel.nnodes > 1 and not self.closed else None)
+        self.abort()
+        return failure if note is None else RankFailure(f"{failure}; {note}")
 
     def abort(self) -> None:
         """After a failure: kill the other ranks and drop the groups."""
@@ -186,30 +218,81 @@ class Leader:
         self.group.close()
 
 
+def spawn_follower(launch: RankLaunch, threads: int) -> subprocess.Popen:
+    return spawn_rank("kiln.distributed.cli",
+                      ["--launch-json", msgspec.json.encode(launch).decode()], threads)
+
+
 def started_key(rank: int) -> str:
     return f"started/{rank}"
 
 
+def failed_key(node: int) -> str:
+    """Where node `node`'s launcher (run_node) reports a rank of its that exited."""
+    return f"failed/{node}"
+
+
 def wait_until_started(store: torch.distributed.Store, processes: list[subprocess.Popen],
-                       timeout_s: float = START_TIMEOUT_S) -> None:
-    """Wait for ranks 1.. to reach the rendezvous (each sets its `started_key`), failing at
-    once if one exits first and after `timeout_s` if one never comes."""
-    deadline = time.monotonic() + timeout_s
-    keys = [started_key(rank) for rank in range(1, len(processes) + 1)]
+                       parallel: ParallelConfig, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Wait for ranks 1.. to reach the rendezvous (each sets its `started_key`): this node's
+    (`processes`: ranks 1..L-1) fail it at once if one exits first and after `timeout_s` if
+    one never comes; another node's after dist_timeout_s, or at once when it reports one of
+    its ranks exited."""
+    start = time.monotonic()
+    keys = [started_key(rank) for rank in range(1, parallel.world_size)]
     while not store.check(keys):
         dead = [(rank, p.poll()) for rank, p in enumerate(processes, 1) if p.poll() is not None]
         if dead:
             raise RankFailure(f"rank {dead[0][0]} exited with status {dead[0][1]} while "
                               f"starting (see its log above)")
-        if time.monotonic() > deadline:
+        if time.monotonic() - start > timeout_s:
             raise RankFailure(f"ranks did not start within {timeout_s:g} s")
+        if parallel.nnodes > 1:
+            check_nodes_joined(store, parallel, time.monotonic() - start)
         time.sleep(0.05)
 
 
-def resolve_all_reduce(parallel: ParallelConfig) -> str:
-    if parallel.all_reduce != "auto":
-        return parallel.all_reduce
-    return "shm" if shm_available() else "gloo"
+def check_nodes_joined(store: torch.distributed.Store, parallel: ParallelConfig,
+                       waited_s: float) -> None:
+    """RankFailure naming the first node that reported a failure, or, past dist_timeout_s,
+    the first whose ranks have not all joined."""
+    per_node = parallel.ranks_per_node
+    for node in range(1, parallel.nnodes):
+        if store.check([failed_key(node)]):
+            raise RankFailure(store.get(failed_key(node)).decode())
+        ranks = range(node * per_node, (node + 1) * per_node)
+        if waited_s > parallel.dist_timeout_s and not store.check(
+                [started_key(r) for r in ranks]):
+            raise RankFailure(
+                f"node {node} (ranks {ranks[0]}..{ranks[-1]}) did not join within "
+                f"{parallel.dist_timeout_s:g} s: start it with --nnodes {parallel.nnodes} "
+                f"--node-rank {node} --dist-init-addr {parallel.dist_init_addr}")
+
+
+def nodes_report(store: torch.distributed.Store, processes: list[subprocess.Popen],
+                 parallel: ParallelConfig, wait_s: float = 2.0) -> str:
+    """After a failure across nodes: which node's rank failed, as far as the nodes said
+    (a node's launcher reports a rank that exited; a node that is gone reports nothing)."""
+    local = [rank for rank, p in enumerate(processes, 1) if p.poll() not in (None, 0)]
+    if local:
+        return f"rank {local[0]} on node 0 exited"
+    keys = [failed_key(node) for node in range(1, parallel.nnodes)]
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:  # a launcher sees its rank's exit a moment later
+        reported = [key for key in keys if store.check([key])]
+        if reported:
+            return store.get(reported[0]).decode()
+        time.sleep(0.1)
+    return (f"node 0's ranks are alive and no other node reported a failure: a node of "
+            f"1..{parallel.nnodes - 1} is gone or unreachable")
+
+
+def with_resolved_all_reduce(parallel: ParallelConfig) -> ParallelConfig:
+    """This node decides "auto" for its ranks: every rank of a group must sum the same way
+    (the groups that span nodes use gloo whatever it says, kiln.distributed.launch)."""
+    if parallel.tensor_parallel_size == 1 or parallel.all_reduce != "auto":
+        return parallel
+    return dataclasses.replace(parallel, all_reduce="shm" if shm_available() else "gloo")
 
 
 def all_reduce_name(leader_pid: int, port: int) -> str:
