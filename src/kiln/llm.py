@@ -180,6 +180,8 @@ class LLM:
                        "accepted_per_position": list(st.accepted_per_position),
                        "drafts_by_source": {k: list(v) for k, v in
                                             st.drafts_by_source.items()}}
+        if st.num_closing_steered:  # the JSON closing budget narrowed it (kiln.structured)
+            metrics["json_closing_steered"] = st.num_closing_steered
         return RequestOutput(st.request_id, p.prompt, st.prompt_token_ids, prompt_lp,
                              [self._completion(s) for s in st.ordered()], st.finished,
                              st.num_cached_tokens, metrics)

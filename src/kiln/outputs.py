@@ -39,4 +39,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)  # e.g. spec-decode acceptance
+    # e.g. spec-decode acceptance; json_closing_steered: tokens the JSON closing budget narrowed
+    metrics: dict[str, float] = field(default_factory=dict)

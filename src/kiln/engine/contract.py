@@ -39,6 +39,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     draft_source: str | None = None  # who drafted them: "ngram" (lookup), "draft", "head"
     num_redraws: int = 0  # tokens the repetition guard dropped and sampled again (retry mode)
     draft_depth: int = 0  # a draft tree's depth (positions drafted); 0: a chain's, = num_draft
+    num_closing_steered: int = 0  # new tokens drawn narrowed by the JSON closing budget
 
     @property
     def finished(self) -> bool:

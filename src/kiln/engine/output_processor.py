@@ -58,6 +58,7 @@ class OutputSequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0  # prompt tokens this child found in the prefix cache
+        self.num_closing_steered = 0  # tokens drawn narrowed by the JSON closing budget
         self._taken = 0  # tokens already handed out by take_delta
 
     @property
@@ -74,6 +75,7 @@ class OutputSequence:
         if self.finished:
             return False  # the engine's echo of an abort we asked for
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        self.num_closing_steered += out.num_closing_steered
         self.token_ids.extend(out.new_token_ids)
         if out.logprobs:
             self._add_logprobs(out.logprobs)
@@ -139,6 +141,11 @@ class RequestState:
     def num_cached_tokens(self) -> int:
         """Most prompt tokens any child found cached (later children hit the first's blocks)."""
         return max(s.num_cached_tokens for s in self.sequences.values())
+
+    @property
+    def num_closing_steered(self) -> int:
+        """Tokens of all sequences the JSON closing budget narrowed (kiln.structured.closing)."""
+        return sum(s.num_closing_steered for s in self.sequences.values())
 
     def ordered(self) -> list[OutputSequence]:
         return sorted(self.sequences.values(), key=lambda s: s.index)

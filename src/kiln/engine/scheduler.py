@@ -40,6 +40,7 @@ class TokenCheck:
 
     keep: bool = True  # False: drop it and sample the same position again (a redraw)
     status: RequestStatus | None = None  # append it, then finish the request with this
+    steered: bool = False  # it was drawn narrowed by the JSON closing budget (kiln.structured)
 
 
 KEEP = TokenCheck()
@@ -270,7 +271,7 @@ class Scheduler:
             self.kv.trim(request, request.num_computed_tokens + 1)
         request.clear_drafts()
         new_tokens: list[int] = []
-        redrawn = False
+        redrawn, steered = False, 0
         for token in sampled:
             check = self.token_check(request, token)
             if not check.keep:  # the repetition guard drops it: sample this position again
@@ -279,6 +280,7 @@ class Scheduler:
                 break
             request.append_output_token(token)
             new_tokens.append(token)
+            steered += check.steered
             if self._check_stop(request, token, check.status):
                 break
         logprobs = result.logprobs[i][:len(new_tokens)] if result.logprobs else None
@@ -289,7 +291,7 @@ class Scheduler:
             num_draft_tokens=item.num_draft_tokens,
             num_accepted_tokens=max(0, len(sampled) - 1) if item.num_draft_tokens else 0,
             draft_depth=max(tree_depths(item.draft_parents)) if item.draft_parents else 0,
-            num_redraws=int(redrawn))
+            num_redraws=int(redrawn), num_closing_steered=steered)
 
     def _resample_last(self, request: Request) -> None:
         """Forget the KV of the last kept token so the next step computes it again and

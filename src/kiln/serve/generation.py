@@ -188,6 +188,7 @@ class Generation:
         usage = make_usage(self.counts(), self.ctx.pricing)
         usage.speculative = self.speculative_usage()
         usage.guard_redraws = self.num_guard_redraws or None
+        usage.json_closing_steered = sum(s.num_closing_steered for s in self.states) or None
         return usage
 
     def speculative_usage(self) -> SpeculativeUsage | None:
@@ -236,6 +237,8 @@ class Generation:
                 m.finished.labels(reason).inc()
                 if reason == "repetition":
                     m.guard_trips.labels("stop").inc()
+                if seq.num_closing_steered:
+                    m.structured_closings.inc()
 
 
 # -- request -> sampling params ----------------------------------------------------------------

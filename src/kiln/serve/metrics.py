@@ -31,6 +31,10 @@ treats as a counter reset). Each server has its own registry (no process-global 
                                             retry (the looping token redrawn once), or mask
                                             (a constrained request's token banned and redrawn:
                                             a loop or a JSON limit, kiln.structured.json_limits)
+  kiln:structured_closings_total            JSON-constrained sequences the closing budget
+                                            steered to close their JSON within max_tokens
+                                            (kiln.structured.closing; tokens per request in
+                                            usage.json_closing_steered)
   kiln:grammar_compile_seconds              grammar compiles (cache misses) checking requests
   kiln:http_errors_total{status}            error responses but /health's (and stream errors)
   kiln:moe_expert_tokens_total{layer, expert}  routed (token, expert) pairs per expert of each
@@ -127,6 +131,10 @@ class ServeMetrics:
                                    "Repetition-guard trips: stop (sequence ended), retry "
                                    "(looping token redrawn) or mask (constrained request: "
                                    "token banned and redrawn)", ["action"], registry=r)
+        self.structured_closings = Counter(
+            "kiln:structured_closings",
+            "JSON-constrained sequences steered to close their JSON within max_tokens",
+            registry=r)
         self.grammar_compile = Histogram("kiln:grammar_compile_seconds",
                                          "Grammar compile time (cache misses, gateway check)",
                                          buckets=GRAMMAR_BUCKETS, registry=r)

@@ -213,6 +213,9 @@ class Usage(BaseModel):
     guard_redraws: int | None = Field(
         None, description="kiln: tokens the repetition guard dropped and sampled again; in a "
         "constrained request its masked interventions (absent without any)")
+    json_closing_steered: int | None = Field(
+        None, description="kiln: tokens drawn narrowed so that a JSON-constrained response "
+        "closes its JSON within max_tokens (the closing budget; absent without any)")
 
 
 class ChatCompletionResponse(BaseModel):

@@ -43,6 +43,7 @@ class TokenConstraint:
         # token classes narrowing each draw, the first that leaves a token (the closing
         # budget, kiln.structured.closing; set after every token, () when not closing)
         self.steer: tuple[torch.Tensor, ...] = ()
+        self.steered = False  # the last fill narrowed the draw with `steer` (for reporting)
 
     # -- compile state --------------------------------------------------------------------
 
@@ -145,11 +146,14 @@ class TokenConstraint:
             bitmask[row] = masked
 
     def apply_steer(self, bitmask: torch.Tensor, row: int) -> None:
-        """AND in the first `steer` class that leaves `row` a token (none: unchanged)."""
+        """AND in the first `steer` class that leaves `row` a token (none: unchanged);
+        `steered` says whether one did."""
+        self.steered = False
         for allowed in self.steer:
             masked = bitmask[row] & allowed
             if bool(masked.any()):
                 bitmask[row] = masked
+                self.steered = True
                 return
 
     def apply_ban(self, bitmask: torch.Tensor, row: int) -> None:

@@ -102,11 +102,13 @@ class StructuredHooks:
         """Judge `token`, sampled for `request` (not yet appended): run the guard, then
         advance the grammar. Finishing statuses: repetition (guard), stop (the grammar
         terminated), error (the grammar rejected the token; masks make that a bug). In a
-        constrained request the guard masks instead of stopping (`_intervene`)."""
+        constrained request the guard masks instead of stopping (`_intervene`). `steered`:
+        the closing budget narrowed the draw of `token` (reported per request, never silent)."""
         constraint = request.grammar
         banned = constraint.banned if constraint is not None else []
+        steered = constraint is not None and constraint.steered  # drawn narrowed to close
         if constraint is not None:
-            constraint.banned = []
+            constraint.banned, constraint.steered = [], False
         status = None
         ahead = None  # the output's JSON shape with `token`, worked out once per token
         if request.guard is not None and token not in banned:  # a ban the grammar overruled
@@ -135,7 +137,8 @@ class StructuredHooks:
                 constraint.steer = self._closing_steer(request)
             if status is None and constraint.terminated:
                 status = RequestStatus.FINISHED_STOPPED
-        return TokenCheck(status=status) if status is not None else KEEP
+        return TokenCheck(status=status, steered=steered) if status is not None or steered \
+            else KEEP
 
     def _json_ahead(self, request: Request, token: int) -> tuple[JsonShape | None,
                                                                   tuple[Breach, str] | None]:
