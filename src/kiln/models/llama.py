@@ -260,9 +260,12 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def holds_tensor(self, name: str) -> bool:
-        """Whether checkpoint tensor `name` belongs to this stage (the loader skips others)."""
+        """Whether checkpoint tensor `name` belongs to this stage (the loader skips another
+        stage's). A layer past the model's own is no stage's: it is held, so that the loader
+        names it as a tensor the model does not run."""
         if name.startswith("model.layers."):
-            return int(name.split(".")[2]) in self.stage.layers
+            index = int(name.split(".")[2])
+            return index in self.stage.layers or index >= self.arch.num_layers
         if name.startswith("model.embed_tokens."):
             return hasattr(self.model, "embed_tokens")
         return self.stage.is_last or not name.startswith(("model.norm.", "lm_head."))
