@@ -93,7 +93,7 @@ def test_random_run_records_its_config(random_run, server, llama_path):
     config = raw["config"]
     assert config["server"] == {"base_url": server.base_url, "model": MODEL,
                                 "endpoint": "chat", "ignore_eos": True,
-                                "request_timeout_s": 600.0}
+                                "request_timeout_s": 600.0, "temperature": 0.0}
     assert config["load"]["num_requests"] == RANDOM["num_requests"]
     assert config["load"]["concurrency"] == CONCURRENCY and config["load"]["seed"] == 3
     assert config["load"]["rate"] is None
