@@ -58,17 +58,14 @@ class Sampler:
         self.eos_token_ids = sorted(eos_token_ids)
         self.device = device
         self.generator = torch.Generator(device).manual_seed(seed)
-        # (tensor, its row argmax) from the last `process`, reused by `choose` on the same
-        # tensor object within one sampling call (each step's logits are a new tensor)
-        self._argmax: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """logits: [B, V] float32, one row per entry of `rows`."""
         logits = logits[:, :self.vocab_size]
         raw = logits
-        logits = self.process(logits, rows, bitmask)
-        token_ids = self.choose(logits, rows)
+        logits, argmax = self._process(logits, rows, bitmask)
+        token_ids = self.choose(logits, rows, argmax)
         want = max((r.params.logprobs for r in rows if r.params.logprobs is not None),
                    default=None)
         logprobs = None if want is None else compute_logprobs(raw, token_ids, want)
@@ -81,12 +78,17 @@ class Sampler:
         except in the greedy fast path when no row wants logprobs, where the rows whose
         argmax the grammar forbids are changed in place (the raw logits of sampling rows are
         read only for logprobs) and `logits` itself is returned."""
-        self._argmax = None
+        return self._process(logits, rows, bitmask)[0]
+
+    def _process(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 bitmask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`process`'s logits, and their row argmax when the greedy fast path worked it out
+        (else None)."""
         masked = bitmask is not None and any(r.bitmask_row is not None for r in rows)
         min_tok = any(r.params.min_tokens > len(r.output_token_ids) for r in rows)
         penalized = any(_has_penalty(r.params) for r in rows)
         if not (masked or min_tok or penalized):
-            return logits
+            return logits, None
         if masked and not (min_tok or penalized) and all(r.params.greedy for r in rows):
             return self._greedy_masked(logits, rows, bitmask)
         logits = logits.clone()
@@ -96,13 +98,13 @@ class Sampler:
             self._apply_min_tokens(logits, rows)
         if penalized:
             apply_penalties(logits, rows)
-        return logits
+        return logits, None
 
     def _greedy_masked(self, logits: torch.Tensor, rows: list[SamplingRow],
-                       bitmask: torch.Tensor) -> torch.Tensor:
+                       bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The greedy fast path (module docstring): logits whose row argmax is the masked
-        argmax of each row: `logits` itself (changed in place where an argmax is forbidden),
-        or a changed copy when a row wants logprobs."""
+        argmax of each row — `logits` itself (changed in place where an argmax is forbidden),
+        or a changed copy when a row wants logprobs — and that argmax."""
         targets = [(i, r.bitmask_row) for i, r in enumerate(rows) if r.bitmask_row is not None]
         argmax = logits.argmax(dim=-1)  # what `choose` takes, unless a row's is forbidden
         targets = forbidden_argmax(argmax, targets, bitmask)
@@ -116,14 +118,14 @@ class Sampler:
                 apply_token_bitmask(logits, rows, bitmask, unresolved)
                 index = torch.tensor([i for i, _ in unresolved], device=logits.device)
                 argmax[index] = logits[index].argmax(dim=-1)
-        self._argmax = (logits, argmax)
-        return logits
+        return logits, argmax
 
-    def choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """[B] token ids: argmax for greedy rows, a random draw for the others."""
+    def choose(self, logits: torch.Tensor, rows: list[SamplingRow],
+               argmax: torch.Tensor | None = None) -> torch.Tensor:
+        """[B] token ids: argmax for greedy rows (`argmax`, when the caller has it), a random
+        draw for the others."""
         greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
-        known, self._argmax = self._argmax, None
-        chosen = known[1] if known is not None and known[0] is logits else logits.argmax(dim=-1)
+        chosen = logits.argmax(dim=-1) if argmax is None else argmax
         if bool(greedy.all()):
             return chosen
         drawn = inverse_cdf_draw(self.probabilities(logits, rows), self.uniforms(rows))
