@@ -26,16 +26,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kiln.models.layers.expert_parallel import expert_shard, experts_elsewhere
+from kiln.models.layers.expert_parallel import experts_elsewhere
 from kiln.models.layers.moe import (
     MoeShape,
-    SparseMoeBlock,
     UnsupportedVariant,
     deepseek_moe_shape,
 )
 from kiln.models.layers.ops import TorchOps, split_heads
 from kiln.models.layers.rotary import RotaryEmbedding
-from kiln.models.llama import LlamaArch, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from kiln.models.llama import LlamaArch, LlamaForCausalLM
+from kiln.models.qwen_moe import QwenMoeDecoderLayer
 
 # transformers' Glm4MoeConfig defaults for the routing fields a config.json may omit
 GLM4_MOE_DEFAULTS = {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
@@ -50,6 +50,10 @@ class Glm4MoeArch(LlamaArch):
     first_sparse_layer: int  # first_k_dense_replace: layers before it keep a dense MLP
     rotary_dim: int  # the leading dims of each head that rotate (head_dim * partial factor)
     mtp_layers: int  # num_nextn_predict_layers: checkpoint layers after the last, not run
+
+    @property
+    def sparse_layers(self) -> frozenset[int]:
+        return frozenset(range(self.first_sparse_layer, self.num_layers))
 
     @classmethod
     def from_hf(cls, cfg: dict, arch: str) -> Glm4MoeArch:
@@ -122,20 +126,9 @@ class PartialRotaryOps:
         return q, k, v
 
 
-class Glm4MoeDecoderLayer(LlamaDecoderLayer):
-    """Llama's block whose `mlp` is the sparse block from `first_k_dense_replace` on."""
-
-    def __init__(self, a: Glm4MoeArch, index: int, method_for, dtype, backend, ops, tp):
-        self.sparse, self.index = index >= a.first_sparse_layer, index
-        super().__init__(a, f"model.layers.{index}", method_for, dtype, backend, ops, tp)
-
-    def add_feed_forward(self, a: Glm4MoeArch, prefix, method_for, dtype, ops, tp) -> None:
-        if self.sparse:
-            shard = expert_shard(tp, self.index, a.moe.router.num_experts)
-            self.mlp = SparseMoeBlock(a.moe, f"{prefix}.mlp", method_for, dtype, ops, shard,
-                                      self.index)
-        else:
-            self.mlp = LlamaMLP(a, f"{prefix}.mlp", method_for, dtype, ops, tp)
+class Glm4MoeDecoderLayer(QwenMoeDecoderLayer):
+    """Qwen-MoE's block (the sparse block in sparse layers, Llama's MLP in the others); its
+    sparse layers are those from `first_k_dense_replace` on (`Glm4MoeArch.sparse_layers`)."""
 
     def dense_mlp(self) -> None:
         # even a dense layer is off the fused C++ stack: the stack rotates whole heads
