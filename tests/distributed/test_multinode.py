@@ -5,13 +5,15 @@ Fast (`make test`): both nodes on 127.0.0.1, node 0 in this process: PP=2 greedy
 identical to one process; a rank killed on node 1 fails node 0 at once naming the node and
 rank; a node that never joins fails it within dist_timeout_s. Slow (`make test-all`): the two
 nodes in two network namespaces joined by a veth pair (10.77.0.1 / 10.77.0.2), so every
-byte between them crosses a real network interface (skipped, saying why, without root or
-`ip netns`). Plus the settings' validation and torchrun's environment.
+byte between them crosses a real network interface, or, without root or `ip netns`, over
+loopback with each node on its own address (127.0.0.1 / 127.0.0.2); either way each node's
+gloo listens on its own address. Plus the settings' validation and torchrun's environment.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -166,6 +168,8 @@ def test_torchrun_environment():
 
 NAMESPACES = ("kiln-mn0", "kiln-mn1")
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
+# without namespaces: one loopback interface, each node on its own address of 127.0.0.0/8
+LOOPBACK_ADDRESSES = ("127.0.0.1", "127.0.0.2")
 NODE0 = """
 import json, sys
 from kiln import LLM, SamplingParams
@@ -175,8 +179,9 @@ engine = LLM(path, dtype="float32", kv_cache_memory=4 << 20, max_num_batched_tok
              dist_init_addr=address, dist_timeout_s=60)
 outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
                        use_tqdm=False)
+print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+sys.stdin.readline()  # the test reads both nodes' sockets meanwhile
 engine.close()
-print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
 
 
@@ -204,6 +209,10 @@ def veth_namespaces() -> Iterator[None]:
 
 
 def namespaces_unavailable() -> str | None:
+    """Why the nodes cannot have network namespaces here (None: they can).
+    KILN_TEST_LOOPBACK_NODES=1 takes the loopback fallback even where they can."""
+    if os.environ.get("KILN_TEST_LOOPBACK_NODES") == "1":
+        return "KILN_TEST_LOOPBACK_NODES=1"
     if shutil.which("ip") is None:
         return "no `ip` command"
     if os.geteuid() != 0:
@@ -212,30 +221,113 @@ def namespaces_unavailable() -> str | None:
     return None if probe.returncode == 0 else f"ip netns: {probe.stderr.decode().strip()}"
 
 
-def run_two_nodes(path: str, address: str, prefixes: tuple[tuple[str, ...], ...],
-                  envs: tuple[dict[str, str], ...]) -> list[list[int]]:
-    node1 = follower_node(path, address, prefixes[1], **envs[1])
+def loopback_unavailable() -> str | None:
+    """Why a process cannot listen on 127.0.0.2 here (None: it can; Linux routes all of
+    127.0.0.0/8 to the loopback interface)."""
     try:
-        node0 = subprocess.run([*prefixes[0], sys.executable, "-c", NODE0, path, address,
-                                json.dumps(PROMPTS)], env=node_env(**envs[0]),
-                               capture_output=True, text=True, timeout=400)
-        assert node0.returncode == 0, node0.stderr[-3000:]
+        with socket.socket() as probe:
+            probe.bind((LOOPBACK_ADDRESSES[1], 0))
+    except OSError as exc:
+        return f"cannot bind {LOOPBACK_ADDRESSES[1]}: {exc}"
+    return None
+
+
+def _ipv4(field: str) -> str:
+    """/proc/net/tcp's little-endian hex "0100007F:1F90" -> "127.0.0.1"."""
+    packed = bytes.fromhex(field.split(":")[0])
+    return socket.inet_ntoa(packed[::-1])
+
+
+def listening_addresses(pid: int) -> set[str]:
+    """The IPv4 addresses process `pid`'s TCP sockets listen on (in its network namespace)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # (an fd closed meanwhile)
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+    rows = [line.split() for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]]
+    return {_ipv4(row[1]) for row in rows if row[9] in inodes and row[3] == "0A"}  # LISTEN
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoNodeRun:
+    tokens: list[list[int]]
+    listening: tuple[set[str], set[str]]  # node 0's engine process's, node 1's rank's
+
+
+def run_two_nodes(path: str, address: str, prefixes: tuple[tuple[str, ...], ...],
+                  envs: tuple[dict[str, str], ...], tmp_path: Path) -> TwoNodeRun:
+    """Node 1's launcher and node 0's engine (each under its prefix and environment): the
+    tokens node 0 generated and the addresses each node's gloo listens on, read while both
+    run."""
+    node1 = follower_node(path, address, prefixes[1], **envs[1])
+    log = (tmp_path / "node0.log").open("w+")
+    node0 = subprocess.Popen([*prefixes[0], sys.executable, "-c", NODE0, path, address,
+                              json.dumps(PROMPTS)], env=node_env(**envs[0]),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                             text=True)
+    try:
+        line = _read_line(node0, "TOKENS ", 400)
+        assert line is not None, _tail(log, node0)
+        (rank1,) = children(node1.pid)
+        listening = (listening_addresses(node0.pid), listening_addresses(rank1))
+        node0.stdin.write("\n")
+        node0.stdin.flush()
+        assert node0.wait(60) == 0, _tail(log, node0)
         assert node1.wait(30) == 0  # node 0's Stop ended node 1's rank cleanly
     finally:
-        if node1.poll() is None:
-            node1.kill()
-    line = next(x for x in node0.stdout.splitlines() if x.startswith("TOKENS "))
-    return json.loads(line.removeprefix("TOKENS "))
+        for node in (node0, node1):
+            if node.poll() is None:
+                node.kill()
+        log.close()
+    return TwoNodeRun(json.loads(line.removeprefix("TOKENS ")), listening)
+
+
+def _read_line(process: subprocess.Popen, prefix: str, timeout_s: float) -> str | None:
+    """The first line of `process`'s stdout starting with `prefix`, or None (it exited or
+    did not print one within timeout_s)."""
+    found: list[str] = []
+
+    def read() -> None:
+        for line in process.stdout:
+            if line.startswith(prefix):
+                found.append(line.strip())
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return found[0] if found else None
+
+
+def _tail(log, process: subprocess.Popen) -> str:
+    log.flush()
+    log.seek(0)
+    return f"node 0 (exit {process.poll()}): {log.read()[-3000:]}"
 
 
 @pytest.mark.slow
-def test_two_network_namespaces_match_one_process(tiny_ckpt, reference):
-    """PP=2 with each stage in its own network namespace: every activation, step and
-    rendezvous byte crosses the veth pair (10.77.0.1 <-> 10.77.0.2)."""
+def test_two_nodes_on_their_own_addresses_match_one_process(tiny_ckpt, reference, tmp_path):
+    """PP=2 with each node on an address of its own, which its gloo listens on: in two
+    network namespaces joined by a veth pair (10.77.0.1 <-> 10.77.0.2: every activation,
+    step and rendezvous byte crosses it), or, where namespaces are unavailable (not root, no
+    `ip`), over loopback with node 0 on 127.0.0.1 and node 1 on 127.0.0.2 (KILN_HOST_IP)."""
+    path = tiny_ckpt("llama")
     why_not = namespaces_unavailable()
-    if why_not is not None:  # the two nodes over 127.0.0.1 still run in `make test`
-        pytest.skip(f"no network namespaces: {why_not}")
-    with veth_namespaces():
-        prefixes = tuple(("ip", "netns", "exec", ns) for ns in NAMESPACES)
-        got = run_two_nodes(tiny_ckpt("llama"), f"{ADDRESSES[0]}:29517", prefixes, ({}, {}))
-    assert got == reference
+    if why_not is None:
+        addresses = ADDRESSES
+        with veth_namespaces():
+            prefixes = tuple(("ip", "netns", "exec", ns) for ns in NAMESPACES)
+            run = run_two_nodes(path, f"{ADDRESSES[0]}:29517", prefixes, ({}, {}), tmp_path)
+    else:
+        addresses = LOOPBACK_ADDRESSES
+        if (no_loopback := loopback_unavailable()) is not None:
+            pytest.skip(f"no network namespaces ({why_not}) and {no_loopback}")
+        envs = tuple({"KILN_HOST_IP": address} for address in LOOPBACK_ADDRESSES)
+        run = run_two_nodes(path, f"{LOOPBACK_ADDRESSES[0]}:{free_port()}", ((), ()), envs,
+                            tmp_path)
+    assert run.tokens == reference
+    # each node's gloo listens on its own address only (the store listens on every address,
+    # over IPv6's wildcard, which /proc/net/tcp does not list)
+    assert run.listening == ({addresses[0]}, {addresses[1]})

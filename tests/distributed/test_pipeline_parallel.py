@@ -67,9 +67,9 @@ def test_llama_pp2_matches_one_process(llama_pair, monkeypatch):
     runner, in_flight = two.engine.runner, []
     submit = runner.submit
 
-    def counting_submit(sched):  # how many steps are in flight as each is submitted
+    def counting_submit(sched, **kwargs):  # how many steps are in flight as each is submitted
         in_flight.append(len(two.engine.pipeline.in_flight))
-        submit(sched)
+        submit(sched, **kwargs)
 
     monkeypatch.setattr(runner, "submit", counting_submit)
     assert_same(one.generate(PROMPTS, GREEDY, use_tqdm=False),
@@ -136,16 +136,29 @@ def test_more_stages_than_layers_fail_with_the_numbers(tiny_ckpt):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_stages_match_one_process(tiny_ckpt):
-    """TP=2 x PP=2: 4 ranks on 2 cores (`make test-all`)."""
+def test_tensor_parallel_stages_match_one_process(tiny_ckpt, monkeypatch):
+    """TP=2 x PP=2: 4 ranks on 2 cores (`make test-all`), two steps in flight as at PP=2
+    (the last stage's second rank runs each step when rank 0 does)."""
     path = tiny_ckpt("llama")
     one = LLM(path, **SETTINGS)
     four = pipeline_engine(path, tensor_parallel_size=2, pipeline_micro_batches=2)
+    runner, in_flight = four.engine.runner, []
+    submit = runner.submit
+
+    def counting_submit(sched, **kwargs):
+        in_flight.append(len(four.engine.pipeline.in_flight))
+        submit(sched, **kwargs)
+
+    monkeypatch.setattr(runner, "submit", counting_submit)
     try:
         # half the KV heads and half the layers per rank: four times the blocks
         assert four.engine.limits.num_kv_blocks == 4 * one.engine.limits.num_kv_blocks
         assert_same(one.generate(PROMPTS, GREEDY, use_tqdm=False),
                     four.generate(PROMPTS, GREEDY, use_tqdm=False))
+        assert max(in_flight) == 1  # a step went down the stages while another was in them
+        # a lone prompt: each step is finished with a FinishStep (nothing else to submit)
+        assert_same(one.generate(PROMPTS[:1], GREEDY, use_tqdm=False),
+                    four.generate(PROMPTS[:1], GREEDY, use_tqdm=False))
     finally:
         four.close()
 

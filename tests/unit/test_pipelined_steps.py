@@ -43,9 +43,11 @@ class RecordingRunner:
 
     def __init__(self):
         self.log: list[tuple[str, list[str]]] = []
+        self.finishes: list[bool] = []  # each submission's finish_oldest
 
-    def submit(self, sched: SchedulerOutput) -> None:
+    def submit(self, sched: SchedulerOutput, finish_oldest: bool) -> None:
         self.log.append(("submit", ids(sched)))
+        self.finishes.append(finish_oldest)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.log.append(("execute", ids(sched)))
@@ -72,6 +74,25 @@ def test_two_steps_in_flight_of_disjoint_requests_finish_oldest_first():
         pipeline.step()
     assert all(not r for r in [s.requests, pipeline.in_flight])
     assert s.kv.stats().used_blocks == 0
+
+
+def test_a_submission_says_whether_the_oldest_step_finishes_next():
+    """Tensor-parallel stages learn from it when rank 0 runs a step (kiln.runner.pipeline)."""
+    s, runner = make(), RecordingRunner()
+    for i, rid in enumerate("abcd"):
+        s.add_request(req(rid, 3, max_tokens=2, t0=i))
+    pipeline = StepPipeline(s, runner, depth=2)
+    pipeline.step()
+    assert runner.finishes == [False]  # one step in flight: the pipeline is not full
+    pipeline.step()
+    assert runner.finishes == [False, True] and runner.log[-1] == ("execute", ["a", "b"])
+    # a lone request: its step is finished by the next step(), which has nothing to submit
+    s, runner = make(), RecordingRunner()
+    s.add_request(req("a", 3, max_tokens=2, t0=0))
+    pipeline = StepPipeline(s, runner, depth=2)
+    pipeline.step()
+    pipeline.step()
+    assert runner.finishes == [False] and runner.log == [("submit", ["a"]), ("execute", ["a"])]
 
 
 def test_an_aborted_request_in_flight_keeps_its_blocks_until_its_step_ends():

@@ -8,6 +8,8 @@ KVCacheManager with prefix caching and KV events); only the model is replaced: a
 
 The cost model (sim_cost.py) is fitted by `kiln bench sim-fit` to steps timed on a real
 engine: step time is linear in prompt tokens, prompt attention, decoding sequences and context.
+`--tensor-parallel-size T` models workers of T ranks (sim_tp.py: the step split T ways plus
+two all-reduces per layer, a cost fitted to measured all-reduce latencies) beside TP = 1.
 
 Prompts are token ids in the chat shape of the real runs (ChatML-style framing around each
 message; replies feed the next turn), so cache hits match a real multi-turn run block for block.
@@ -31,6 +33,14 @@ import numpy as np
 from kiln.bench.config import SLO, LoadConfig, WorkloadConfig, WorkloadKind
 from kiln.bench.metrics import BenchMetrics, RequestRecord, compute_metrics
 from kiln.bench.sim_cost import BUILTIN, CostModel, fit_cost_model, model_error, step_shape
+from kiln.bench.sim_tp import (
+    BACKENDS,
+    BUILTIN_ALL_REDUCE,
+    DEFAULT_SHAPE,
+    ModelShape,
+    TensorParallelCost,
+    fit_all_reduce,
+)
 from kiln.cluster.kv_index import KVIndex
 from kiln.cluster.router import Candidate, LoadTracker, Router, make_policy
 from kiln.config import CacheConfig, SchedulerConfig
@@ -134,6 +144,7 @@ class SimConfig:
     overload_waiting: int = 64
     event_delay_s: float = 0.001  # worker step -> the gateway's index sees its KV events
     seed: int = 0
+    tensor_parallel_size: int = 1  # ranks per worker (the cost model prices them)
 
 
 class SimWorker:
@@ -178,8 +189,8 @@ class _Live:
 class Simulation:
     """One run: event heap of (time, order, kind, payload)."""
 
-    def __init__(self, config: SimConfig, cost: CostModel, sessions: list[list[SimTurn]],
-                 load: LoadConfig):
+    def __init__(self, config: SimConfig, cost: CostModel | TensorParallelCost,
+                 sessions: list[list[SimTurn]], load: LoadConfig):
         self.config, self.cost, self.sessions, self.load = config, cost, sessions, load
         self.workers = {f"w{i}": SimWorker(f"w{i}", config) for i in range(config.num_workers)}
         self.index = KVIndex()
@@ -318,7 +329,7 @@ class SimResult:
     wall_s: float  # how long the simulation itself took
 
 
-def simulate(config: SimConfig, cost: CostModel, workload: WorkloadConfig,
+def simulate(config: SimConfig, cost: CostModel | TensorParallelCost, workload: WorkloadConfig,
              load: LoadConfig) -> SimResult:
     started = time.perf_counter()
     sessions = sim_sessions(workload, load.num_requests, load.seed)
@@ -349,6 +360,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=SimConfig.max_num_batched_tokens)
     p.add_argument("--cost-model", type=Path, help="JSON from `kiln bench sim-fit` "
                    "(default: a built-in fit of SmolLM2-135M on 1 thread)")
+    p.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1],
+                   help="ranks per worker; TP = 1 runs too, as the baseline (sim_tp.py)")
+    p.add_argument("--all-reduce", choices=BACKENDS, default="shm",
+                   help="the TP all-reduce: shm (one machine) or gloo (across machines)")
+    p.add_argument("--all-reduce-results", type=Path, help="benchmarks/allreduce.py JSON to "
+                   "fit the all-reduce cost to (default: a built-in fit of its recorded run)")
+    p.add_argument("--model-shape", type=_model_shape, default=DEFAULT_SHAPE,
+                   metavar="LAYERS,HIDDEN,KV_HEADS[,DTYPE_BYTES]",
+                   help="the modeled model's shape for TP (default: SmolLM2-135M, "
+                        "30,576,3,2, the built-in cost model's)")
     p.add_argument("--out", type=Path, help="write every run's metrics as JSON here")
     _add_workload_args(p)
     _add_load_args(p)
@@ -368,18 +389,25 @@ def _run_cli(args: argparse.Namespace) -> int:
     workload = workload_from_args(args)
     load = load_from_args(args, workload)
     cost = CostModel.load(args.cost_model) if args.cost_model else BUILTIN
+    all_reduce = (fit_all_reduce(args.all_reduce_results, args.all_reduce)
+                  if args.all_reduce_results else BUILTIN_ALL_REDUCE[args.all_reduce])
     rows = []
     for n in args.workers:
         for router in args.router:
-            config = SimConfig(num_workers=n, router=router,
-                               router_temperature=args.router_temperature,
-                               prefill_weight=args.prefill_weight, kv_blocks=args.kv_blocks,
-                               max_num_seqs=args.max_num_seqs,
-                               max_num_batched_tokens=args.max_num_batched_tokens,
-                               seed=args.seed)
-            result = simulate(config, cost, workload, load)
-            rows.append(summary_row(result))
-            print(format_row(rows[-1]), flush=True)
+            baseline = None
+            for tp in sorted({1, *args.tensor_parallel_size}):
+                tp_cost = TensorParallelCost(cost, tp, all_reduce, args.model_shape)
+                config = SimConfig(num_workers=n, router=router,
+                                   router_temperature=args.router_temperature,
+                                   prefill_weight=args.prefill_weight,
+                                   kv_blocks=tp_cost.kv_blocks(args.kv_blocks),
+                                   max_num_seqs=args.max_num_seqs,
+                                   max_num_batched_tokens=args.max_num_batched_tokens,
+                                   seed=args.seed, tensor_parallel_size=tp)
+                result = simulate(config, cost if tp == 1 else tp_cost, workload, load)
+                rows.append(summary_row(result))
+                baseline = baseline or rows[-1]
+                print(format_row(rows[-1]) + versus(rows[-1], baseline), flush=True)
     if args.out:
         args.out.write_text(json.dumps({"cost_model": asdict(cost), "workload":
                                         _jsonable(workload), "load": _jsonable(load),
@@ -391,7 +419,9 @@ def _run_cli(args: argparse.Namespace) -> int:
 def summary_row(result: SimResult) -> dict:
     m = result.metrics
     return {"workers": result.config.num_workers, "router": result.config.router,
+            "tensor_parallel_size": result.config.tensor_parallel_size,
             "requests": m.completed, "cached_token_ratio": m.cached_token_ratio,
+            "tpot_p50_ms": m.tpot_ms.p50 if m.tpot_ms is not None else None,
             "ttft_p50_ms": m.ttft_ms.p50, "ttft_p90_ms": m.ttft_ms.p90,
             "ttft_p99_ms": m.ttft_ms.p99, "e2e_p50_ms": m.e2e_ms.p50,
             "output_tok_s": m.output_throughput, "duration_s": m.duration_s,
@@ -400,10 +430,32 @@ def summary_row(result: SimResult) -> dict:
 
 
 def format_row(r: dict) -> str:
-    return (f"{r['workers']:>3} workers {r['router']:<12} {r['requests']:>5} req  "
+    tp = r.get("tensor_parallel_size", 1)
+    return ((f"TP={tp} " if tp > 1 else "") +
+            f"{r['workers']:>3} workers {r['router']:<12} {r['requests']:>5} req  "
             f"cached {r['cached_token_ratio']:.3f}  TTFT p50 {r['ttft_p50_ms']:8.1f} ms  "
             f"p90 {r['ttft_p90_ms']:8.1f} ms  out {r['output_tok_s']:8.1f} tok/s  "
             f"busiest worker {r['max_worker_share']:.0%}  ({r['sim_wall_s']:.1f} s to simulate)")
+
+
+def versus(row: dict, baseline: dict) -> str:
+    """A TP row against the same run at TP = 1: TPOT and output throughput ratios."""
+    if row is baseline or not row.get("tpot_p50_ms") or not baseline.get("tpot_p50_ms"):
+        return ""
+    return (f"  | vs TP=1: TPOT p50 {row['tpot_p50_ms']:.2f} ms "
+            f"(x{row['tpot_p50_ms'] / baseline['tpot_p50_ms']:.2f}), output throughput "
+            f"x{row['output_tok_s'] / max(baseline['output_tok_s'], 1e-9):.2f}")
+
+
+def _model_shape(text: str) -> ModelShape:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (3, 4) or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--model-shape wants LAYERS,HIDDEN,KV_HEADS"
+                                         f"[,DTYPE_BYTES] of positive integers, got {text!r}")
+    return ModelShape(*values)
 
 
 def _jsonable(value) -> dict:

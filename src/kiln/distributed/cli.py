@@ -38,6 +38,7 @@ from kiln.runner.rank_loop import (
     ENGINE_KEY,
     STOP_WAIT_S,
     AllocateKV,
+    FinishStep,
     NodeSpec,
     RankCommand,
     RankLaunch,
@@ -64,7 +65,9 @@ def follow(runner: ModelRunner, group: RankGroup) -> None:
         if isinstance(command, AllocateKV):
             runner.allocate_kv_cache(command.num_blocks)
         elif isinstance(command, RunStep):
-            runner.follow_step(schedule_of(command), command.logits_index)
+            runner.follow_step(schedule_of(command), command.logits_index, command.finish)
+        elif isinstance(command, FinishStep):
+            runner.follow_finish()
         else:
             runner.move_slots(torch.tensor(command.src), torch.tensor(command.dst))
 

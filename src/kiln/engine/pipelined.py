@@ -14,6 +14,12 @@ aborted until its step has finished (`defer_busy`: its blocks stay its own until
 no later step gets them while the finishing step may still move KV between them), and every
 stage runs the steps in submission order, so KV an in-flight step writes (into a prefix a
 later step hits) is written on every stage before any later step reads it.
+
+With tensor-parallel stages the last stage's other ranks run each step together with rank 0
+(their all-reduces and the logits gather meet), so they must know when rank 0 finishes one:
+`submit` says whether the oldest step is finished right after it (the usual case once the
+pipeline is full), and the runner tells them with the step itself, or else on its own when
+the step is finished (kiln.runner.pipeline).
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ from kiln.engine.scheduler import Scheduler
 
 
 class PipelinedRunner(Protocol):
-    def submit(self, sched: SchedulerOutput) -> None:
-        """Start the step down the stages; `execute` finishes it, in submission order."""
+    def submit(self, sched: SchedulerOutput, finish_oldest: bool) -> None:
+        """Start the step down the stages; `execute` finishes it, in submission order.
+        `finish_oldest`: the oldest step in flight is executed next, before any other
+        submission (ranks that run each step with rank 0 learn it with this step)."""
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput: ...
 
@@ -64,7 +72,7 @@ class StepPipeline:
             if not self.in_flight:
                 return None, self.scheduler.update(sched, RunnerOutput([]))
         else:
-            self.runner.submit(sched)
+            self.runner.submit(sched, finish_oldest=len(self.in_flight) + 1 >= self.depth)
             self.in_flight.append(sched)
             if len(self.in_flight) < self.depth:
                 return None, self.scheduler.update(SchedulerOutput([], 0), RunnerOutput([]))

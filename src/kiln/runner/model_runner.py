@@ -50,7 +50,14 @@ from kiln.runner.pipeline import (
     num_micro_batches,
     pipeline_stage,
 )
-from kiln.runner.rank_loop import AllocateKV, Leader, MoveSlots, RunStep, step_seqs
+from kiln.runner.rank_loop import (
+    AllocateKV,
+    FinishStep,
+    Leader,
+    MoveSlots,
+    RunStep,
+    step_seqs,
+)
 from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs, take_rows
 from kiln.runner.verify import VerifyGroup, verify
 
@@ -163,6 +170,7 @@ class ModelRunner:
             self.kv_layers = len(self.model.stage.layers)
             self.kv_spec = dataclasses.replace(
                 self.kv_spec, num_layers=kv_budget_layers(parallel, arch))
+        self.finishes_told = 0  # rank 0 of a pipeline: steps submitted with finish_oldest
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []  # per layer: (K, V) or (latent,)
         self.sampler = Sampler(arch.vocab_size, eos_token_ids, model_config.seed, self.device)
         self._generators: dict[str, torch.Generator] = {}
@@ -209,17 +217,21 @@ class ModelRunner:
     def pipeline_depth(self) -> int:
         """Steps the engine may keep in flight (kiln.engine.pipelined): one per stage on
         rank 0 of a pipeline, else 1."""
-        if self.stages is None or self.leader is None or self.model.tp.size > 1:
-            # (with tensor-parallel stages, the last stage's other ranks run each step's
-            # all-reduces in lockstep with this one: one step at a time)
+        if self.stages is None or self.leader is None:
             return 1
         return self.stages.stage.count
 
-    def submit(self, sched: SchedulerOutput, logits_rows: list[int] | None = None) -> None:
+    def submit(self, sched: SchedulerOutput, finish_oldest: bool = True) -> None:
         """Pipeline parallelism: start `sched` down the stages now; `execute(sched)` finishes
-        it here later, steps in the order submitted. `logits_rows`: the last stage's other
-        tensor-parallel ranks compute their share of those rows' logits."""
-        self.leader.send(RunStep(step_seqs(sched), logits_rows))
+        it here later, steps in the order submitted. `finish_oldest`: the next step this rank
+        runs is the oldest submitted, at once (the last stage's other tensor-parallel ranks,
+        which run each step with this one, are told so with this step; else a FinishStep
+        tells them when). With tensor-parallel stages, they also compute their share of the
+        step's logits rows."""
+        rows = (build_batch(sched, torch.device("cpu")).logits_index.tolist() if self.model.tp.size > 1
+                else None)
+        self.leader.send(RunStep(step_seqs(sched), rows, finish_oldest))
+        self.finishes_told += int(finish_oldest)
         self.stages.post(sched)
 
     def close(self) -> None:
@@ -300,9 +312,8 @@ class ModelRunner:
         self.release(sched.finished_ids)
         batch = build_batch(sched, self.device)
         if self.stages is not None:  # this rank's stage over the step's micro-batches
-            if self.leader is not None and not self.stages.is_posted(sched):
-                shared_head = logits and self.model.tp.size > 1
-                self.submit(sched, batch.logits_index.tolist() if shared_head else None)
+            if self.leader is not None:
+                self._tell_finish(sched)
             return batch, self.stages.run(sched, self.kv_caches)
         if self.leader is not None:
             rows = batch.logits_index.tolist() if logits else None
@@ -315,12 +326,40 @@ class ModelRunner:
                                            self.kv_spec.block_size)
         return batch, self._run_model(batch, meta)
 
+    def _tell_finish(self, sched: SchedulerOutput) -> None:
+        """Rank 0 of a pipeline, about to run `sched` on its stage: the last stage's other
+        tensor-parallel ranks must run it now too (submitted here if it was not)."""
+        if not self.stages.is_posted(sched):
+            self.submit(sched)
+        if self.model.tp.size > 1 and not self.finishes_told:
+            self.leader.send(FinishStep())
+        self.finishes_told = max(0, self.finishes_told - 1)
+
     @torch.inference_mode()
-    def follow_step(self, sched: SchedulerOutput, logits_index: list[int] | None) -> None:
-        """A following rank's share of rank 0's step: the forward, then its LM head rows."""
+    def follow_step(self, sched: SchedulerOutput, logits_index: list[int] | None,
+                    finish: bool = True) -> None:
+        """A following rank's share of rank 0's step: the forward, then its LM head rows.
+        The last stage's other tensor-parallel ranks begin it, and run their oldest step
+        begun when rank 0 runs it (`finish`, or a later FinishStep: `follow_finish`)."""
+        if self._runs_with_leader():
+            self.stages.post(sched, logits_index)
+            if finish:
+                self.stages.run_oldest(self.kv_caches)
+            return
         _, hidden = self.forward(sched)
         if logits_index is not None and hidden is not None:  # (None: not the last stage)
             self.model.compute_logits(hidden[torch.tensor(logits_index, dtype=torch.int64)])
+
+    @torch.inference_mode()
+    def follow_finish(self) -> None:
+        if self._runs_with_leader():
+            self.stages.run_oldest(self.kv_caches)
+
+    def _runs_with_leader(self) -> bool:
+        """A following rank of the last stage at tensor parallelism: it runs each step when
+        rank 0 does, in the same model group."""
+        return (self.stages is not None and self.leader is None and self.model.tp.size > 1
+                and self.stages.stage.is_last)
 
     def _run_model(self, batch: BatchInputs, meta: AttentionMetadata) -> torch.Tensor:
         """The fused stack where it serves this step, else the model's per-layer forward

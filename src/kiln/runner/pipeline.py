@@ -21,6 +21,10 @@ logits and samples as one process does.
 Steps overlap too: rank 0's engine keeps one step per stage in flight (kiln.engine.pipelined),
 submitting a step (`StageRunner.post`: broadcast, receives posted) before it finishes the
 previous one. Every rank begins the steps in broadcast order, so all count the same tags.
+With tensor-parallel stages, the last stage's other ranks must run each step when rank 0
+does (their all-reduces and the logits gather meet): they post a step when it is broadcast
+and run the oldest posted (`run_oldest`) when rank 0 says it finishes one (a `RunStep` that
+says so, or a `FinishStep`), so they keep the same steps in flight as rank 0.
 """
 
 from __future__ import annotations
@@ -110,13 +114,15 @@ def head_cost(arch: LlamaArch) -> float:
 @dataclass
 class StagePlan:
     """One step on this stage: its micro-batches, the tag of the first (each step's tags are
-    its own, so steps in flight never mix), and the receives posted for them (None on the
-    first stage)."""
+    its own, so steps in flight never mix), the receives posted for them (None on the
+    first stage), and the flat rows whose logits a last-stage follower computes its share of
+    (None: none)."""
 
     sched: SchedulerOutput
     parts: list[SchedulerOutput]
     first_tag: int
     received: list[PendingReceive] | None
+    logits_index: list[int] | None = None
 
 
 class StageRunner:
@@ -132,10 +138,22 @@ class StageRunner:
         self.steps_begun = 0
         self.posted: deque[StagePlan] = deque()  # rank 0: steps submitted, not yet run
 
-    def post(self, sched: SchedulerOutput) -> None:
-        """Begin `sched` ahead of running it (rank 0, whose steps are in flight): its
-        receives are posted now, so the stage before never waits to send it."""
-        self.posted.append(self._begin(sched))
+    def post(self, sched: SchedulerOutput, logits_index: list[int] | None = None) -> None:
+        """Begin `sched` ahead of running it (rank 0, whose steps are in flight, and the last
+        stage's other tensor-parallel ranks): its receives are posted now, so the stage
+        before never waits to send it. `logits_index`: see `run_oldest`."""
+        plan = self._begin(sched)
+        plan.logits_index = logits_index
+        self.posted.append(plan)
+
+    def run_oldest(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """A last-stage rank other than rank 0: run the oldest posted step as rank 0 runs it
+        (the all-reduces meet), then its share of the logits of the step's `logits_index`
+        rows, gathered to rank 0."""
+        plan = self.posted[0]
+        hidden = self.run(plan.sched, kv_caches)
+        if plan.logits_index is not None:
+            self.model.compute_logits(hidden[torch.tensor(plan.logits_index, dtype=torch.int64)])
 
     def is_posted(self, sched: SchedulerOutput) -> bool:
         return any(plan.sched is sched for plan in self.posted)

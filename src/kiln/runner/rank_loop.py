@@ -11,6 +11,8 @@ channel, kiln.distributed.step_channel; never pickled), and every rank then does
     (its all-reduces meet in the model) and its share of the LM head, gathered to rank 0.
     Pipeline stages run their layers over the step's micro-batches instead, passing
     activations on (kiln.runner.pipeline); rank 0, the last stage, computes the logits.
+  - `FinishStep`: with tensor-parallel stages, the last stage's other ranks run the oldest
+    step they began (rank 0 keeps steps in flight and runs each when it finishes it).
   - `MoveSlots`: move KV between slots (an accepted draft tree's path).
   - `Stop`: the engine is shutting down.
 
@@ -70,6 +72,13 @@ class AllocateKV(msgspec.Struct, tag=True, array_like=True):
 class RunStep(msgspec.Struct, tag=True, array_like=True):
     seqs: list[StepSeq]
     logits_index: list[int] | None  # flat rows to compute logits of; None: no LM head
+    # tensor-parallel pipeline stages: the last stage's other ranks begin this step, then
+    # (True) run the oldest one begun, as rank 0 does next (kiln.engine.pipelined)
+    finish: bool = True
+
+
+class FinishStep(msgspec.Struct, tag=True, array_like=True):
+    """The last stage's other ranks run the oldest step begun (rank 0 is about to)."""
 
 
 class MoveSlots(msgspec.Struct, tag=True, array_like=True):
@@ -81,7 +90,7 @@ class Stop(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-RankCommand = AllocateKV | RunStep | MoveSlots | Stop
+RankCommand = AllocateKV | RunStep | FinishStep | MoveSlots | Stop
 
 
 class RankLaunch(msgspec.Struct):
