@@ -47,6 +47,7 @@ def test_every_scheme_quantizes_the_experts_and_reports_kl(family, tmp_path):
         assert len(experts) == 8 * 2  # layer 1's 8 experts: gate_up and down each
         assert any(".mlp.shared_experts." in name for name in formats)
         assert not any(name.endswith(".mlp.gate") for name in formats)  # the router: dense
+        assert not any("kv_b_proj" in name for name in formats)  # (MLA: read as matrices)
         row = json.loads((out / "quantization_report.json").read_text())["held_out"][0]
         kl[scheme] = row["fidelity"]["mean_kl"]
         assert 0 < kl[scheme] < 1 and math.isfinite(row["fidelity"]["ppl"])
