@@ -6,6 +6,11 @@ one rotated key per token and layer, not K and V per head (`cache_layout`, `kv_f
 The first `first_k_dense_replace` blocks have a dense SwiGLU MLP; the later ones DeepSeek's
 mixture of experts (sigmoid router with grouped top-k and a score-correction bias, shared
 experts), which `sparse_feed_forward` builds. HF's parameter names; gate and up fused.
+
+Built with a `TensorParallel` other than SINGLE, a rank holds H / T attention heads (the
+latent replicated: kiln.models.layers.mla), its columns of the dense MLPs and its part of each
+mixture of experts (kiln.models.layers.expert_parallel), and its rows of the vocabulary, as
+the Llama families split (kiln.models.layers.parallel).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kiln.models.layers.expert_parallel import expert_shard, experts_elsewhere
 from kiln.models.layers.kv_layout import CacheLayout
 from kiln.models.layers.linear import Linear, LinearMethod
 from kiln.models.layers.mla import DeepseekRope, MlaShape, MultiHeadLatentAttention, RopeTables
@@ -76,6 +82,20 @@ class DeepseekV3Arch:
     def head_dim(self) -> int:
         return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
 
+    def row_parallel_inputs(self) -> dict[str, int]:
+        """Each row-parallel projection's inputs (the runner checks their weight formats
+        split over the ranks): o_proj reads V per head, not the cache's R + P."""
+        return {"o_proj": self.mla.num_heads * self.mla.v_head_dim,
+                "down_proj": self.intermediate_size}
+
+
+def check_tensor_parallel_heads(a: DeepseekV3Arch, size: int) -> None:
+    """ValueError naming the numbers unless `size` ranks split the attention heads evenly
+    (the runner checks this, and the MLPs' and experts' splits, before any rank starts)."""
+    if a.mla.num_heads % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide DeepSeek-V3's "
+                         f"{a.mla.num_heads} attention heads (num_attention_heads)")
+
 
 def check_variant(cfg: dict) -> None:
     """Raise UnsupportedVariant naming a config entry kiln's DeepSeek-V3 would compute wrong:
@@ -112,30 +132,33 @@ def mla_cache_layout(a: DeepseekV3Arch) -> CacheLayout:
     return CacheLayout.mla_latent(a.mla.kv_lora_rank, a.mla.qk_rope_head_dim)
 
 
-def sparse_feed_forward(a: DeepseekV3Arch, prefix: str, method_for: MethodFor, dtype,
-                        ops: TorchOps) -> nn.Module:
-    """A sparse layer's mixture of experts: DeepSeek's sigmoid router with the bias-corrected
-    grouped top-k, and its shared experts (kiln.models.layers.moe)."""
+def sparse_feed_forward(a: DeepseekV3Arch, index: int, method_for: MethodFor, dtype,
+                        ops: TorchOps, tp: TensorParallel = SINGLE) -> nn.Module:
+    """Layer `index`'s mixture of experts: DeepSeek's sigmoid router with the bias-corrected
+    grouped top-k, and its shared experts (kiln.models.layers.moe); this rank's experts or
+    columns of them under tensor parallelism."""
     assert a.moe is not None
-    return SparseMoeBlock(a.moe, f"{prefix}.mlp", method_for, dtype, ops)
+    shard = expert_shard(tp, index, a.moe.router.num_experts)
+    return SparseMoeBlock(a.moe, f"model.layers.{index}.mlp", method_for, dtype, ops, shard,
+                          index)
 
 
 class DeepseekV3DecoderLayer(nn.Module):
     """(x, residual) -> (ffn_out, residual + attn_out), each norm fusing the residual add."""
 
     def __init__(self, a: DeepseekV3Arch, index: int, method_for: MethodFor, dtype, backend,
-                 ops: TorchOps):
+                 ops: TorchOps, tp: TensorParallel = SINGLE):
         super().__init__()
         prefix = f"model.layers.{index}"
         self.input_layernorm = _norm(a, dtype)
         self.self_attn = MultiHeadLatentAttention(a.mla, f"{prefix}.self_attn", method_for,
                                                   dtype, backend,
-                                                  a.rope.softmax_scale(a.mla.qk_head_dim))
+                                                  a.rope.softmax_scale(a.mla.qk_head_dim), tp)
         self.post_attention_layernorm = _norm(a, dtype)
         if index < a.first_k_dense_replace:
-            self.mlp = LlamaMLP(a, f"{prefix}.mlp", method_for, dtype, ops)
+            self.mlp = LlamaMLP(a, f"{prefix}.mlp", method_for, dtype, ops, tp)
         else:
-            self.mlp = sparse_feed_forward(a, prefix, method_for, dtype, ops)
+            self.mlp = sparse_feed_forward(a, index, method_for, dtype, ops, tp)
         self.ops = ops
 
     def dense_mlp(self) -> None:
@@ -160,17 +183,19 @@ def _norm(a: DeepseekV3Arch, dtype) -> RMSNorm:
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, a: DeepseekV3Arch, method_for: MethodFor, dtype, backend, ops):
+    def __init__(self, a: DeepseekV3Arch, method_for: MethodFor, dtype, backend, ops,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.embed_tokens = SINGLE.embedding(a.vocab_size, a.hidden_size, dtype)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(a, i, method_for, dtype, backend, ops)
-                                    for i in range(a.num_layers))
+        self.embed_tokens = tp.embedding(a.vocab_size, a.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(a, i, method_for, dtype, backend, ops, tp)
+            for i in range(a.num_layers))
         self.norm = _norm(a, dtype)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    """forward(input_ids [T], positions [T]) -> hidden [T, H]; compute_logits -> [N, V].
-    One process only (no tensor parallelism yet)."""
+    """forward(input_ids [T], positions [T]) -> hidden [T, H]; compute_logits -> [N, V]
+    (with tensor parallelism: on rank 0; None on the others)."""
 
     packed_modules = PACKED_MODULES
 
@@ -178,20 +203,23 @@ class DeepseekV3ForCausalLM(nn.Module):
                  method_for: MethodFor = lambda prefix: None, ops: TorchOps | None = None,
                  tp: TensorParallel = SINGLE):
         super().__init__()
-        if tp.size > 1:
-            raise ValueError(f"tensor_parallel_size {tp.size}: DeepseekV3ForCausalLM runs in "
-                             f"one process only (MLA is not sharded yet); use 1")
         if not hasattr(backend, "forward_latent"):
             raise ValueError(f"attention backend {type(backend).__name__} has no multi-head "
                              f"latent attention; DeepSeek-V3 runs on the torch or cpu backend")
-        self.arch, self.ops = a, ops or TorchOps()
-        self.model = DeepseekV3Model(a, method_for, dtype, backend, self.ops)
+        check_tensor_parallel_heads(a, tp.size)
+        self.arch, self.tp, self.ops = a, tp, ops or TorchOps()
+        self.model = DeepseekV3Model(a, method_for, dtype, backend, self.ops, tp)
         self.rope = RopeTables(a.rope, a.max_position_embeddings, dtype)
-        self.lm_head = Linear(a.hidden_size, a.vocab_size, dtype=dtype,
-                              method=method_for("lm_head"))
-        # multi-token-prediction layers follow the decoder's in the checkpoint; not run
+        # with tied embeddings the loader fills lm_head from this rank's embedding rows
+        per_rank = tp.vocab_per_rank(a.vocab_size)
+        rows = slice(0, per_rank) if a.tie_word_embeddings else tp.vocab_rows(a.vocab_size)
+        self.lm_head = Linear(a.hidden_size, per_rank, dtype=dtype,
+                              method=tp.column(method_for("lm_head"), (rows,)))
+        # multi-token-prediction layers follow the decoder's in the checkpoint (not run), and
+        # under expert parallelism other ranks' experts
         self.unused_checkpoint_prefixes = tuple(
-            f"model.layers.{i}." for i in range(a.num_layers, a.num_layers + a.mtp_layers))
+            f"model.layers.{i}." for i in range(a.num_layers, a.num_layers + a.mtp_layers)
+        ) + experts_elsewhere(self)
 
     def cache_layout(self) -> CacheLayout:
         """What each layer's KV cache holds: c_kv and k_pe (kiln.models.layers.kv_layout)."""
@@ -206,5 +234,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [N, V] from the LM head's fp32 sums."""
-        return self.lm_head.method.apply_fp32(self.lm_head, hidden)
+        """fp32 logits [N, V] from the LM head's fp32 sums (rank 0's; None on the others)."""
+        logits = self.lm_head.method.apply_fp32(self.lm_head, hidden)
+        return self.tp.gather_logits(logits, self.arch.vocab_size)

@@ -206,7 +206,9 @@ class ModelRunner:
             if getattr(arch, "moe", None) is not None:  # a MoE family's experts over the ranks
                 check_expert_parallel(arch.moe, tp_size,
                                       ExpertParallelOptions.from_parallel(parallel))
+            row_inputs = getattr(arch, "row_parallel_inputs", None)  # (MLA: V per head)
             check_row_formats(tp_size, hf_config, model_config.quantization,
+                              row_inputs() if row_inputs is not None else
                               {"o_proj": arch.num_heads * arch.head_dim,
                                "down_proj": arch.intermediate_size})
         log.info("%d ranks: decoder layers run one call each (the fused stack has no "

@@ -18,6 +18,12 @@ moves onto the query and W_UV after the softmax:
 
 so it is multi-query attention over one head R + P wide whose values are the first R columns
 of the keys (`LatentAttentionBackend.forward_latent`), for prefill and decode alike.
+
+Under tensor parallelism (as vLLM splits MLA) a rank holds H / T heads: their rows of q_proj
+(or q_b_proj) and of kv_b_proj, and their input columns of o_proj, whose all-reduce sums the
+heads' outputs. Everything before the heads split -- q_a_proj and its norm, kv_a_proj_with_mqa,
+kv_a_layernorm, the rope key -- is computed whole on every rank, so every rank caches the same
+latent: MLA's cache does not shrink with T (data-parallel attention is how it does).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from torch import nn
 from kiln.models.layers.attention import AttentionMetadata
 from kiln.models.layers.linear import Linear
 from kiln.models.layers.norm import RMSNorm
+from kiln.models.layers.parallel import SINGLE, TensorParallel
 
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
@@ -177,19 +184,36 @@ class MlaShape:
 class LatentUpProjection(nn.Module):
     """HF's kv_b_proj, [H * (N + V), R]: per head, W_UK's N rows then W_UV's V rows. Read as
     matrices by the absorbed form, never applied as a linear, so it is a plain parameter in
-    the model dtype (not a `Linear`: no weight format or quantizer touches it)."""
+    the model dtype (not a `Linear`: no weight format or quantizer touches it). Holds the
+    rows of `heads` only (a tensor-parallel rank's heads; one process: all of them)."""
 
-    def __init__(self, s: MlaShape, dtype: torch.dtype):
+    def __init__(self, s: MlaShape, dtype: torch.dtype, heads: slice):
         super().__init__()
-        self.shape = s
-        rows = s.num_heads * (s.qk_nope_head_dim + s.v_head_dim)
+        self.shape, self.heads = s, heads
+        self.num_heads = heads.stop - heads.start
+        rows = self.num_heads * self.rows_per_head
         self.weight = nn.Parameter(torch.empty(rows, s.kv_lora_rank, dtype=dtype, device="cpu"),
                                    requires_grad=False)
 
-    def per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, N, R] and W_UV [H, V, R] (views)."""
+    @property
+    def rows_per_head(self) -> int:
+        return self.shape.qk_nope_head_dim + self.shape.v_head_dim
+
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """The loader's hook: keep this module's heads' rows of the checkpoint's kv_b_proj."""
         s = self.shape
-        w = self.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        whole = (s.num_heads * self.rows_per_head, s.kv_lora_rank)
+        if name != "weight" or tuple(tensor.shape) != whole:
+            raise ValueError(f"kv_b_proj: checkpoint tensor {name!r} {tuple(tensor.shape)}, "
+                             f"expected weight {whole}")
+        per = self.rows_per_head
+        with torch.no_grad():
+            self.weight.copy_(tensor[self.heads.start * per:self.heads.stop * per])
+
+    def per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, N, R] and W_UV [H, V, R] (views; H: this module's heads)."""
+        s = self.shape
+        w = self.weight.view(self.num_heads, self.rows_per_head, s.kv_lora_rank)
         return w[:, :s.qk_nope_head_dim], w[:, s.qk_nope_head_dim:]
 
 
@@ -198,26 +222,32 @@ class MultiHeadLatentAttention(nn.Module):
     layer's cache. HF's module names."""
 
     def __init__(self, s: MlaShape, prefix: str, method_for, dtype: torch.dtype,
-                 backend: LatentAttentionBackend, scale: float):
+                 backend: LatentAttentionBackend, scale: float, tp: TensorParallel = SINGLE):
         super().__init__()
         self.shape, self.backend, self.scale = s, backend, scale
-        heads_qk = s.num_heads * s.qk_head_dim
+        heads = tp.part(s.num_heads)  # this rank's heads (H / T; one process: all)
+        self.num_heads = heads.stop - heads.start
+        q_rows = slice(heads.start * s.qk_head_dim, heads.stop * s.qk_head_dim)
+        out_cols = slice(heads.start * s.v_head_dim, heads.stop * s.v_head_dim)
+        heads_qk = self.num_heads * s.qk_head_dim
         if s.q_lora_rank is None:
             self.q_proj = Linear(s.hidden_size, heads_qk, dtype=dtype,
-                                 method=method_for(f"{prefix}.q_proj"))
-        else:
+                                 method=tp.column(method_for(f"{prefix}.q_proj"), (q_rows,)))
+        else:  # the low-rank query is replicated; its up-projection split by heads
             self.q_a_proj = Linear(s.hidden_size, s.q_lora_rank, bias=s.attention_bias,
                                    dtype=dtype, method=method_for(f"{prefix}.q_a_proj"))
             self.q_a_layernorm = RMSNorm(s.q_lora_rank, s.rms_norm_eps, dtype)
             self.q_b_proj = Linear(s.q_lora_rank, heads_qk, dtype=dtype,
-                                   method=method_for(f"{prefix}.q_b_proj"))
+                                   method=tp.column(method_for(f"{prefix}.q_b_proj"), (q_rows,)))
+        # the latent and the rope key: whole on every rank (each rank caches all of it)
         self.kv_a_proj_with_mqa = Linear(s.hidden_size, s.kv_lora_rank + s.qk_rope_head_dim,
                                          bias=s.attention_bias, dtype=dtype,
                                          method=method_for(f"{prefix}.kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(s.kv_lora_rank, s.rms_norm_eps, dtype)
-        self.kv_b_proj = LatentUpProjection(s, dtype)
-        self.o_proj = Linear(s.num_heads * s.v_head_dim, s.hidden_size, bias=s.attention_bias,
-                             dtype=dtype, method=method_for(f"{prefix}.o_proj"))
+        self.kv_b_proj = LatentUpProjection(s, dtype, heads)
+        self.o_proj = Linear(self.num_heads * s.v_head_dim, s.hidden_size,
+                             bias=s.attention_bias, dtype=dtype,
+                             method=tp.row(method_for(f"{prefix}.o_proj"), out_cols))
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.shape.q_lora_rank is None:
@@ -226,8 +256,8 @@ class MultiHeadLatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RopeTables,
                 kv_cache: tuple[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        s, tokens = self.shape, x.shape[0]
-        q = self.queries(x).view(tokens, s.num_heads, s.qk_head_dim)
+        s, h, tokens = self.shape, self.num_heads, x.shape[0]  # h: this rank's heads
+        q = self.queries(x).view(tokens, h, s.qk_head_dim)
         q_nope, q_pe = q.split((s.qk_nope_head_dim, s.qk_rope_head_dim), dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split((s.kv_lora_rank, s.qk_rope_head_dim),
                                                       dim=-1)
@@ -240,6 +270,6 @@ class MultiHeadLatentAttention(nn.Module):
         kv = torch.cat((c_kv.unsqueeze(1), k_pe), dim=-1)  # [T, 1, R + P]
         latent_out = self.backend.forward_latent(query, kv, kv_cache, meta, self.scale,
                                                  s.kv_lora_rank)  # [T, H * R]
-        latent_out = latent_out.view(tokens, s.num_heads, s.kv_lora_rank).transpose(0, 1)
+        latent_out = latent_out.view(tokens, h, s.kv_lora_rank).transpose(0, 1)
         out = torch.bmm(latent_out, w_uv.transpose(1, 2))  # [H, T, V]
-        return self.o_proj(out.transpose(0, 1).reshape(tokens, s.num_heads * s.v_head_dim))
+        return self.o_proj(out.transpose(0, 1).reshape(tokens, h * s.v_head_dim))

@@ -1,0 +1,64 @@
+"""`kiln quantize` on mixture-of-experts checkpoints (issue 49: quantized experts with KL
+measured per format): a tiny GLM-4.5 and a tiny DeepSeek-V3 (MLA, layer 1 sparse) through
+the command line in every uniform scheme, GPTQ-calibrated on the tokens routed to each
+expert, judged by KL on held-out text; the int4 checkpoint as served (`kiln quantize eval`) measures
+the same KL, and generates.
+
+On these checkpoints (seed 0, 32 held-out tokens) the mean KL runs ~0.012 (int8) to ~0.08
+(int4, mxfp4) nats; int8 is the closest in both."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from kiln import LLM, SamplingParams
+from kiln.quant.pipeline import SCHEMES
+from tests.parity.test_mla_parity import make_tiny_deepseek
+from tests.parity.test_moe_parity import make_tiny_moe
+
+SMALL = ["--calib-windows", "1", "--windows", "1", "--window-tokens", "32"]
+DEEPSEEK_SPARSE = dict(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                       n_group=4, topk_group=2, moe_intermediate_size=32, n_shared_experts=1,
+                       routed_scaling_factor=2.5, norm_topk_prob=True)
+
+
+def make(family: str, path) -> str:
+    if family == "deepseek_v3":
+        return make_tiny_deepseek(path, "yarn", **DEEPSEEK_SPARSE)
+    return make_tiny_moe(path, family)
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_every_scheme_quantizes_the_experts_and_reports_kl(family, tmp_path):
+    from kiln.cli import main
+
+    path = make(family, tmp_path / family)
+    kl: dict[str, float] = {}
+    for scheme in SCHEMES:
+        out = tmp_path / scheme
+        assert main(["quantize", "--model", path, "--scheme", scheme, "--out", str(out),
+                     *SMALL]) == 0
+        formats = json.loads((out / "config.json").read_text())[
+            "quantization_config"]["kiln_layer_formats"]
+        experts = [name for name in formats if ".mlp.experts." in name]
+        assert len(experts) == 8 * 2  # layer 1's 8 experts: gate_up and down each
+        assert any(".mlp.shared_experts." in name for name in formats)
+        assert not any(name.endswith(".mlp.gate") for name in formats)  # the router: dense
+        assert not any("kv_b_proj" in name for name in formats)  # (MLA: read as matrices)
+        row = json.loads((out / "quantization_report.json").read_text())["held_out"][0]
+        kl[scheme] = row["fidelity"]["mean_kl"]
+        assert 0 < kl[scheme] < 1 and math.isfinite(row["fidelity"]["ppl"])
+    assert min(kl, key=kl.get) == "int8", kl  # 8 bits lose least
+    # the written checkpoint, loaded as served, judged against the reference
+    report = tmp_path / "eval"
+    assert main(["quantize", "eval", "--model", str(tmp_path / "int4"), "--ref", path,
+                 "--out", str(report), "--no-sensitivity", *SMALL[2:]]) == 0
+    result = json.loads((report / "quantization_report.json").read_text())
+    assert result["fidelity"]["mean_kl"] == pytest.approx(kl["int4"], rel=1e-3)
+    llm = LLM(str(tmp_path / "int4"), dtype="float32", kv_cache_memory=8 << 20, num_threads=1)
+    out = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=4, temperature=0,
+                                                               ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
