@@ -47,8 +47,10 @@ def module_monkeypatch():
 
 @pytest.fixture(scope="module")
 def int8_engines(tiny_ckpt, module_monkeypatch):
-    """One process, TP=2 fused, TP=2 layer by layer; fp32 activations, int8 weights."""
-    path, settings = tiny_ckpt("llama"), dict(dtype="float32", quantization="int8")
+    """One process, TP=2 fused, TP=2 layer by layer; fp32 activations, int8 weights; one KV
+    head, replicated on both ranks (the bf16 model splits its two)."""
+    path = tiny_ckpt("llama", num_key_value_heads=1)
+    settings = dict(dtype="float32", quantization="int8")
     one = LLM(path, **SETTINGS, **settings)
     fused = tp2(path, module_monkeypatch, fused=True, **settings)
     layered = tp2(path, module_monkeypatch, fused=False, **settings)
@@ -59,7 +61,8 @@ def int8_engines(tiny_ckpt, module_monkeypatch):
 
 @pytest.fixture(scope="module")
 def bf16_engines(tiny_ckpt, module_monkeypatch):
-    """TP=2 fused and layer by layer, bf16 (head dim 64: long chunks fuse too)."""
+    """TP=2 fused and layer by layer, bf16 (head dim 64: long chunks fuse too); 2 KV heads,
+    one per rank."""
     path = tiny_ckpt("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2)
     fused = tp2(path, module_monkeypatch, fused=True, dtype="bfloat16")
     layered = tp2(path, module_monkeypatch, fused=False, dtype="bfloat16")
