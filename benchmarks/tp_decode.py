@@ -1,13 +1,18 @@
 """Tensor parallelism on one machine: TP=1 (one process, T threads) vs TP=2 (2 ranks, T/2
-threads each), and the per-call latency of the all-reduce between ranks.
+threads each), the fused decoder stack vs the layers one call each, and the per-call latency
+of the all-reduce between ranks.
 
 Rows per model: batch-1 decode tok/s (128-token prompt, 128 new tokens; decode time is the
-whole request's minus a 1-token request's), and 64 x 128/128 throughput (output tok/s).
-Models: the bundled default (SmolLM2-135M, bf16) and, with --random-1b, a random-weight Llama
-of ~1.1B parameters (TinyLlama's shape) made on the fly. The all-reduce probe times gloo (and
-the shared-memory all-reduce where kiln.distributed.shm_allreduce exists) between 2 ranks at
-batch 1 and 64 rows of the model's hidden size, and estimates a decode step's communication
-time as 2 all-reduces per layer.
+whole request's minus a 1-token request's), and 64 x 128/128 throughput (output tok/s), for
+  TP=1 fused and per-layer; TP=2 over gloo (per-layer: the stack reduces through shared
+  memory only); TP=2 over shared memory, fused (the all-reduces inside the C++ stack) and
+  per-layer (KILN_DISABLE_FUSED_STACK=1, which the ranks inherit).
+Each row says whether the fused stack was built (`fused_stack`) and on how many of rank 0's
+steps it ran (`fused_steps`). Models: the bundled default (SmolLM2-135M, bf16) and, with
+--random-1b, a random-weight Llama of ~1.1B parameters (TinyLlama's shape) made on the fly.
+The all-reduce probe times gloo and the shared-memory all-reduce between 2 ranks at batch 1
+and 64 rows of the model's hidden size, and estimates a decode step's communication time as
+2 all-reduces per layer (plus the embedding's) at batch 1.
 
 usage: python benchmarks/tp_decode.py [--threads 2] [--random-1b] [--reps 3]
        [--out benchmarks/results/tp_decode.json]
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -37,7 +43,9 @@ def make_models(args, workdir: Path) -> dict[str, str | None]:
     from kiln.testing.tiny import make_tiny_checkpoint
 
     if args.tiny:
-        return {"tiny": str(make_tiny_checkpoint(workdir / "tiny", "llama"))}
+        # bf16: the fused stack's dtype
+        return {"tiny": str(make_tiny_checkpoint(workdir / "tiny", "llama",
+                                                 dtype="bfloat16"))}
     # the default model's 9 heads over 3 KV heads do not split in two: TP=2 refuses it, so
     # it is measured only with --default-model (for TP sizes that divide it, on more cores)
     models: dict[str, str | None] = {"default": None} if args.default_model else {}
@@ -64,13 +72,20 @@ def timed(llm, batch: list[list[int]], max_tokens: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def measure(model: str | None, tp: int, threads: int, args, all_reduce: str = "gloo") -> dict:
+def measure(model: str | None, tp: int, threads: int, args, all_reduce: str = "gloo",
+            fused: bool = True) -> dict:
+    """One engine's row; `fused` False: the layers one call each on every rank."""
     from kiln import LLM
 
-    llm = LLM(model, tensor_parallel_size=tp, num_threads=threads, all_reduce=all_reduce,
-              enable_prefix_caching=False, max_num_seqs=max(64, args.batch))
+    if not fused:  # read when the engine starts, by rank 0 and the ranks it spawns
+        os.environ["KILN_DISABLE_FUSED_STACK"] = "1"
     try:
-        vocab = llm.engine.vocab_size
+        llm = LLM(model, tensor_parallel_size=tp, num_threads=threads, all_reduce=all_reduce,
+                  enable_prefix_caching=False, max_num_seqs=max(64, args.batch))
+    finally:
+        os.environ.pop("KILN_DISABLE_FUSED_STACK", None)
+    try:
+        vocab, runner = llm.engine.vocab_size, llm.engine.runner
         one = prompts(1, args.prompt_len, vocab, 0)
         timed(llm, one, 4, 1)  # warm up
         decode_s = timed(llm, one, args.new_tokens, args.reps) - timed(llm, one, 1, args.reps)
@@ -78,10 +93,26 @@ def measure(model: str | None, tp: int, threads: int, args, all_reduce: str = "g
         batch_s = timed(llm, batch, args.new_tokens, max(1, args.reps // 2))
         return {"tp": tp, "threads_per_rank": threads,
                 "all_reduce": all_reduce if tp > 1 else None,
+                "fused_stack": runner.stack is not None, "fused_steps": runner.fused_steps,
                 "batch1_decode_tok_s": (args.new_tokens - 1) / decode_s,
                 f"batch{args.batch}_out_tok_s": args.batch * args.new_tokens / batch_s}
     finally:
         llm.close()
+
+
+def engine_rows(model: str | None, args) -> list[dict]:
+    """TP=1 fused and per-layer, TP=2 over gloo, TP=2 over shared memory fused and
+    per-layer (the last two where the shared-memory all-reduce runs here)."""
+    from kiln.distributed.communicator import shm_available
+
+    half = max(1, args.threads // 2)
+    rows = [measure(model, 1, args.threads, args), measure(model, 1, args.threads, args,
+                                                           fused=False),
+            measure(model, 2, half, args, "gloo")]
+    if shm_available():
+        rows += [measure(model, 2, half, args, "shm"),
+                 measure(model, 2, half, args, "shm", fused=False)]
+    return rows
 
 
 # -- the all-reduce probe ----------------------------------------------------------------------
@@ -146,8 +177,16 @@ def probe_all_reduce(hidden: int, calls: int) -> dict[str, float]:
         return dict(results)
 
 
+def step_comm_ms(latency: dict[str, float], cfg: dict) -> dict[str, float]:
+    """A batch-1 bf16 decode step's all-reduce time per backend: 2 per layer and the
+    embedding's, at the probe's median latency."""
+    calls = 2 * cfg["num_hidden_layers"] + 1
+    return {f"decode_step_comm_ms_{backend}_bf16": calls * latency[key] / 1e3
+            for backend in ("gloo", "shm")
+            if (key := f"{backend} bfloat16 [1, {cfg['hidden_size']}]") in latency}
+
+
 def main() -> int:
-    from kiln.distributed.communicator import shm_available
     from kiln.engine.core import resolve_model_path
     from kiln.models.loader import read_hf_config
 
@@ -171,15 +210,11 @@ def main() -> int:
     results: dict = {"threads": args.threads, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name, model in make_models(args, Path(tmp)).items():
-            rows = [measure(model, 1, args.threads, args)]
-            for all_reduce in ("gloo", "shm") if shm_available() else ("gloo",):
-                rows.append(measure(model, 2, max(1, args.threads // 2), args, all_reduce))
+            rows = engine_rows(model, args)
             cfg = read_hf_config(resolve_model_path(model))
             latency = probe_all_reduce(cfg["hidden_size"], args.calls)
-            gloo_b1 = latency[f"gloo bfloat16 [1, {cfg['hidden_size']}]"]
-            results["models"][name] = {
-                "runs": rows, "all_reduce_us": latency,
-                "decode_step_comm_ms_gloo_bf16": 2 * cfg["num_hidden_layers"] * gloo_b1 / 1e3}
+            results["models"][name] = {"runs": rows, "all_reduce_us": latency,
+                                       **step_comm_ms(latency, cfg)}
             print(json.dumps({name: results["models"][name]}, indent=1))
     if not args.tiny:
         args.out.parent.mkdir(parents=True, exist_ok=True)

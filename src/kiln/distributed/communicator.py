@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 class RankFailure(RuntimeError):
@@ -109,6 +111,18 @@ class ShmCommunicator(GlooCommunicator):
                 self.timeout_s)
         return tensor
 
+    def reduce_inside(self, kernel: Callable[[torch.Tensor, int, float], T], what: str) -> T:
+        """`kernel(segment, rank, timeout_s)`: a C++ kernel that all-reduces through this
+        group from inside itself (ShmAllReduce.inside; the fused decoder stack). Its failed
+        all-reduce becomes a RankFailure, as `all_reduce_`'s does; any other error of the
+        kernel's passes unchanged."""
+        try:
+            return self.shm.inside(kernel)
+        except RuntimeError as exc:
+            if not str(exc).startswith("shm all-reduce"):
+                raise
+            raise rank_failure(what, self.timeout_s, exc) from exc
+
     def close(self) -> None:
         self.shm.close()
         super().close()
@@ -132,5 +146,10 @@ def bounded(collective: Callable[[], object], what: str, timeout_s: float,
     try:
         collective()
     except RuntimeError as exc:
-        raise RankFailure(f"{parallelism} {what} failed: a rank died or did not answer "
-                          f"within {timeout_s:g} s ({str(exc).splitlines()[0][:300]})") from exc
+        raise rank_failure(what, timeout_s, exc, parallelism) from exc
+
+
+def rank_failure(what: str, timeout_s: float, exc: RuntimeError,
+                 parallelism: str = "tensor-parallel") -> RankFailure:
+    return RankFailure(f"{parallelism} {what} failed: a rank died or did not answer "
+                       f"within {timeout_s:g} s ({str(exc).splitlines()[0][:300]})")

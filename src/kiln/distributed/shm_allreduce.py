@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -25,6 +27,7 @@ DEFAULT_TIMEOUT_S = 60.0
 CACHE_LINE = 64
 DTYPES = (torch.float32, torch.bfloat16)
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+T = TypeVar("T")
 
 
 class ShmAllReduce:
@@ -71,17 +74,34 @@ class ShmAllReduce:
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         """tensor = the sum of every rank's tensor, in place: fp32, or bf16 summed in fp32 and
         rounded once. Every rank gets bit-identical results."""
-        if self._failure is not None:
-            raise RuntimeError(f"shm all-reduce {self.name!r} is broken by an earlier failed "
-                               f"call: {self._failure}")
-        if self._segment is None:
-            raise RuntimeError(f"shm all-reduce {self.name!r} is closed")
+        self._check_usable()
         _check_tensor(tensor)
         try:
             torch.ops.kiln.shm_all_reduce(tensor, self._segment, self.rank, self.timeout_s)
         except RuntimeError as exc:
             self._failure = str(exc).splitlines()[0]
             raise
+
+    def inside(self, kernel: Callable[[torch.Tensor, int, float], T]) -> T:
+        """`kernel(segment, rank, timeout_s)`: a C++ kernel that calls kiln::shm_all_reduce
+        itself (the fused decoder stack reduces after each row-parallel projection), with
+        this group's checks. Collective as `all_reduce_` is: every rank's calls, from kernels
+        and from `all_reduce_` alike, share the segment's step counters, so they must match
+        in order, element count and dtype. A failure breaks the group, as a failed
+        `all_reduce_` does (a kernel that raised midway left the ranks out of step)."""
+        self._check_usable()
+        try:
+            return kernel(self._segment, self.rank, self.timeout_s)
+        except RuntimeError as exc:
+            self._failure = str(exc).splitlines()[0]
+            raise
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"shm all-reduce {self.name!r} is broken by an earlier failed "
+                               f"call: {self._failure}")
+        if self._segment is None:
+            raise RuntimeError(f"shm all-reduce {self.name!r} is closed")
 
     def close(self) -> None:
         """Unmap the segment (the mapping goes with its tensor); safe to call twice."""

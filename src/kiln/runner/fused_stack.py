@@ -5,6 +5,15 @@ CpuPagedAttention), so the same result to the bit, minus one Python round trip p
 runner builds a model's `StackWeights` once (`stack_weights`: None where some layer is off this
 path) and asks `StackWeights.serves` each step; where it declines, the model's own forward runs
 the layers one call each. tests/engine/test_fused_stack.py holds the two paths to each other.
+
+Tensor parallelism: each rank's stack runs its shard (its heads, its qkv and gate_up rows, its
+o_proj and down_proj columns) and sums o_proj's and down_proj's outputs over the ranks from
+inside the C++ loop, through the shared-memory all-reduce (`StackWeights.all_reduce`), so a
+decode step is again one call per rank. Over gloo the stack is off (`stack_weights` None): a
+C++ kernel cannot call gloo, and a gloo all-reduce (a few hundred microseconds on loopback,
+benchmarks/results/allreduce.json) costs several times the Python calls a layer's stack saves,
+so splitting the stack at the reductions would gain little. tests/distributed/
+test_tp_fused_stack.py holds the sharded stack to the sharded layers and to one process.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+from kiln.distributed.communicator import ShmCommunicator
 from kiln.models.layers.linear import Linear
 from kiln.models.llama import LlamaForCausalLM
 from kiln.runner.attention import CpuAttentionMetadata, CpuPagedAttention
@@ -54,6 +64,9 @@ class StackWeights:
     # lifetime: registering or removing a hook edits them in place), so the per-step check
     # is one any() over them
     hook_dicts: list[dict]
+    # tensor parallelism: the group that sums o_proj's and down_proj's outputs inside the
+    # stack; None in one process
+    all_reduce: ShmCommunicator | None = None
 
     def serves(self, meta: CpuAttentionMetadata) -> bool:
         """Whether this step can run as one call: every chunk's attention within the C++
@@ -92,6 +105,11 @@ def stack_weights(model: LlamaForCausalLM, backend: CpuPagedAttention) -> StackW
     stored = {m: m.method.stack_tensors(m) for m in linears}
     if model.arch.qk_norm or None in stored.values():
         return None
+    row = {stored[m].all_reduce for m in projections["o"] + projections["down"]}
+    column = {stored[m].all_reduce for m in projections["qkv"] + projections["gate_up"]}
+    if column != {None} or len(row) != 1 or (None in row) != (model.tp.size == 1):
+        return None  # the stack would not sum the outputs the layers sum (over gloo: none)
+    (all_reduce,) = row
     int8 = any(t.scale.numel() for t in stored.values())
     weights = {name: [stored[m].weight for m in ms] for name, ms in projections.items()}
     scales = {f"{name}_scale": [stored[m].scale for m in ms] if int8 else []
@@ -103,24 +121,32 @@ def stack_weights(model: LlamaForCausalLM, backend: CpuPagedAttention) -> StackW
         input_norm=[layer.input_layernorm.weight for layer in layers],
         post_norm=[layer.post_attention_layernorm.weight for layer in layers],
         final_norm=norm.weight, cos32=model.rotary.cos32, sin32=model.rotary.sin32,
-        scale=a.head_dim ** -0.5, eps=norm.eps, num_heads=a.num_heads,
-        num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+        scale=a.head_dim ** -0.5, eps=norm.eps, num_heads=attn[0].num_heads,
+        num_kv_heads=attn[0].num_kv_heads, head_dim=a.head_dim,
         plain_bf16=any(t.plain_bf16 for t in stored.values()),
         long_ok=(backend.bf16_prefill and a.head_dim in (64, 128)
                  and embed.weight.dtype == torch.bfloat16),
         max_tokens=min((t.max_tokens for t in stored.values()), default=math.inf),
         hook_dicts=[d for m in [model] + layers + attn + mlp + linears
-                    for d in (m._forward_hooks, m._forward_pre_hooks)])
+                    for d in (m._forward_hooks, m._forward_pre_hooks)],
+        all_reduce=all_reduce)
 
 
 def fused_stack(w: StackWeights, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: KVCaches, meta: CpuAttentionMetadata) -> torch.Tensor:
     """Final hidden states [T, H] of every decoder layer and the final norm in one call to
-    `kiln::llama_stack` (KV written), as the model's forward computes them."""
-    return torch.ops.kiln.llama_stack(
-        w.embed(input_ids), positions, *w.layer_args(), [k for k, _ in kv_caches],
-        [v for _, v in kv_caches], *stack_attention_args(meta), w.scale, w.eps, w.num_heads,
-        w.num_kv_heads, w.head_dim, w.plain_bf16)
+    `kiln::llama_stack` (KV written), as the model's forward computes them. Tensor
+    parallelism: a collective (the embedding's all-reduce, then two per layer inside the
+    call); a rank that does not arrive makes it raise RankFailure after the group's timeout."""
+    args = (w.embed(input_ids), positions, *w.layer_args(), [k for k, _ in kv_caches],
+            [v for _, v in kv_caches], *stack_attention_args(meta), w.scale, w.eps,
+            w.num_heads, w.num_kv_heads, w.head_dim, w.plain_bf16)
+    if w.all_reduce is None:
+        return torch.ops.kiln.llama_stack(*args)
+    return w.all_reduce.reduce_inside(
+        lambda segment, rank, timeout_s: torch.ops.kiln.llama_stack(*args, segment, rank,
+                                                                    timeout_s),
+        "fused decoder stack's all-reduce")
 
 
 def stack_attention_args(meta: CpuAttentionMetadata) -> tuple:

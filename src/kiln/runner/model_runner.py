@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -153,8 +154,10 @@ class ModelRunner:
         # built and loaded on the CPU (the LinearMethod contract), then on the platform's device
         self.model, self.hf_config = loaded.model.to(self.device), loaded.hf_config
         use_kernels(self.model, self.platform.kernels)  # e.g. quantized linears' Triton GEMV
-        # the decoder stack as one call where the platform and every layer allow it
-        self.stack = self._stack_weights() if ranks is None else None
+        # the decoder stack as one call where the platform and every layer allow it (each
+        # tensor-parallel rank its shard; pipeline stages run their layers one call each)
+        self.stack = self._stack_weights() if pipe is None else None
+        self.fused_steps = 0  # steps the fused stack ran (tests, benchmarks/tp_decode.py)
         arch = self.model.arch
         self.vocab_size = arch.vocab_size
         layout = model_cache_layout(self.model, tp.heads(arch.num_heads, arch.num_kv_heads).kv,
@@ -211,8 +214,6 @@ class ModelRunner:
                               row_inputs() if row_inputs is not None else
                               {"o_proj": arch.num_heads * arch.head_dim,
                                "down_proj": arch.intermediate_size})
-        log.info("%d ranks: decoder layers run one call each (the fused stack has no "
-                 "collective and no stages)", size)
         return Leader.start(model_config, model_path, cache, parallel)
 
     @property
@@ -242,12 +243,13 @@ class ModelRunner:
             self.leader.close()
 
     def _stack_weights(self) -> fused_stack.StackWeights | None:
-        if not self.platform.fused_stack:
-            return None
+        if not self.platform.fused_stack or os.environ.get("KILN_DISABLE_FUSED_STACK"):
+            return None  # (the variable: benchmarks and tests, for the per-layer path)
         stack = fused_stack.stack_weights(self.model, self.backend)
         if stack is None:
-            log.info("decoder layers run one call each (a layer is off the fused path: "
-                     "see kiln.runner.fused_stack.stack_weights)")
+            log.info("decoder layers run one call each (a layer is off the fused path, or "
+                     "tensor-parallel ranks sum over gloo: see "
+                     "kiln.runner.fused_stack.stack_weights)")
         return stack
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -367,6 +369,7 @@ class ModelRunner:
         """The fused stack where it serves this step, else the model's per-layer forward
         (the same bits either way)."""
         if self.stack is not None and self.stack.serves(meta):
+            self.fused_steps += 1
             return fused_stack.fused_stack(self.stack, batch.input_ids, batch.positions,
                                            self.kv_caches, meta)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, meta)

@@ -39,7 +39,8 @@ TORCH_LIBRARY(kiln, m) {
         "Tensor slot_mapping, Tensor? short_table, Tensor? short_start, Tensor? short_lens, "
         "Tensor? short_context, Tensor? short_tree, Tensor? long_table, Tensor? long_start, "
         "Tensor? long_lens, Tensor? long_context, int block_size, float scale, float eps, "
-        "int num_heads, int num_kv_heads, int head_dim, bool plain_bf16) -> Tensor",
+        "int num_heads, int num_kv_heads, int head_dim, bool plain_bf16, "
+        "Tensor(c!)? reduce_segment=None, int reduce_rank=0, float reduce_timeout_s=0.) -> Tensor",
         &kiln::llama_stack);
   m.def("shm_segment_bytes(int world_size, int chunk_bytes) -> int", &kiln::shm_segment_bytes);
   m.def("shm_segment_init(Tensor(a!) segment, int world_size, int chunk_bytes) -> ()",

@@ -52,7 +52,7 @@ bool bf16_gemm_f32_dot_products();
 at::Tensor bf16_vnni_mm(const at::Tensor& x, const at::Tensor& w, int64_t n, bool fp32_out);
 bool bf16_vnni_available();
 
-// stack.cpp
+// stack.cpp; reduce_segment: tensor parallelism's shared-memory all-reduce (allreduce.h)
 at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
                        at::TensorList input_norm, at::TensorList qkv_proj,
                        at::TensorList o_proj, at::TensorList post_norm,
@@ -72,6 +72,8 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
                        const std::optional<at::Tensor>& long_lens,
                        const std::optional<at::Tensor>& long_context, int64_t block_size,
                        double scale, double eps, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim, bool plain_bf16);
+                       int64_t head_dim, bool plain_bf16,
+                       const std::optional<at::Tensor>& reduce_segment, int64_t reduce_rank,
+                       double reduce_timeout_s);
 
 }  // namespace kiln

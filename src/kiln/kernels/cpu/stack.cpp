@@ -8,9 +8,18 @@
 // (both on decode-sized steps). Used only where the model has no hooks, biases or q/k norms
 // (LlamaForCausalLM decides); its result is bit-identical to the per-layer path, which the
 // tests check.
+//
+// Tensor parallelism: each rank runs the stack on its own heads and columns (its qkv and
+// gate_up rows, its o_proj and down_proj columns) and, given a shared-memory all-reduce
+// segment, sums the row-parallel o_proj and down_proj outputs over the ranks right after
+// each (kiln::shm_all_reduce, allreduce.cpp: the call RowParallel makes on the per-layer path,
+// on the same tensor, so the same bits). Ranks share the segment's step counters whichever
+// path calls it, so one rank may run the stack while another runs the layers one call each.
+// A rank that does not arrive makes the wait raise after its timeout, out of this call.
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include "allreduce.h"
 #include "ops.h"
 
 namespace kiln {
@@ -38,6 +47,17 @@ at::Tensor stack_linear(const at::Tensor& x, at::TensorList weights, at::TensorL
   return onednn_linear(x, weights[l]);
 }
 
+// A row-parallel projection's partial output summed over the ranks in place; unchanged
+// without a segment (one rank).
+at::Tensor reduced(at::Tensor partial, const std::optional<at::Tensor>& segment, int64_t rank,
+                   double timeout_s) {
+  if (segment.has_value()) {
+    at::Tensor shared = *segment;
+    shm_all_reduce(partial, shared, rank, timeout_s);
+  }
+  return partial;
+}
+
 }  // namespace
 
 at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
@@ -59,7 +79,11 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
                        const std::optional<at::Tensor>& long_lens,
                        const std::optional<at::Tensor>& long_context, int64_t block_size,
                        double scale, double eps, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim, bool plain_bf16) {
+                       int64_t head_dim, bool plain_bf16,
+                       const std::optional<at::Tensor>& reduce_segment, int64_t reduce_rank,
+                       double reduce_timeout_s) {
+  TORCH_CHECK(!reduce_segment.has_value() || reduce_timeout_s > 0, "llama_stack: an all-reduce ",
+              "needs a positive timeout, got ", reduce_timeout_s);
   const int64_t layers = static_cast<int64_t>(qkv_proj.size());
   const int64_t tokens = x_in.size(0), q_size = num_heads * head_dim;
   const int64_t kv_size = num_kv_heads * head_dim;
@@ -87,10 +111,13 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
     if (long_table.has_value())
       prefill_attention(attn, q, k_cache, v_cache, *long_table, *long_start, *long_lens,
                         *long_context, block_size, scale);
-    h = add_rms_norm(stack_linear(attn, o_proj, o_scale, l, plain_bf16), residual,
-                     post_norm[l], eps);
-    x = stack_linear(silu_mul(stack_linear(h, gate_up_proj, gate_up_scale, l, plain_bf16)),
-                     down_proj, down_scale, l, plain_bf16);
+    const at::Tensor o = reduced(stack_linear(attn, o_proj, o_scale, l, plain_bf16),
+                                 reduce_segment, reduce_rank, reduce_timeout_s);
+    h = add_rms_norm(o, residual, post_norm[l], eps);
+    x = reduced(stack_linear(silu_mul(stack_linear(h, gate_up_proj, gate_up_scale, l,
+                                                   plain_bf16)),
+                             down_proj, down_scale, l, plain_bf16),
+                reduce_segment, reduce_rank, reduce_timeout_s);
   }
   return add_rms_norm(x, residual, final_norm, eps);
 }

@@ -29,8 +29,9 @@ Each format registers itself when its module is imported: the dense CPU ones
 is imported (by the composition root, kiln.assembly; models never import it). This registry
 imports none of them.
 A sharded linear (tensor parallelism) is one more method: it creates and loads only its rank's
-rows or columns, reduces its output through a collective in `apply`, and returns None from
-`stack_tensors` (the fused stack has no collective).
+rows or columns, reduces its output through a collective in `apply`, and hands the stack its
+format's tensors with the group that reduces them (the stack reduces through the
+shared-memory all-reduce only: over gloo, None).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,9 @@ from torch import nn
 
 from kiln.kernels.bf16_mm import bf16_linear_fp32
 from kiln.platform import KernelSet
+
+if TYPE_CHECKING:
+    from kiln.distributed.communicator import ShmCommunicator
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,6 +60,8 @@ class StackTensors:
     scale: torch.Tensor  # int8 rows' per-row scales [out, 1]; empty for bf16 weights
     plain_bf16: bool = False  # a plain bf16 weight, for kiln's bf16_gemm (not oneDNN-packed)
     max_tokens: float = math.inf  # the largest step the stack's kernel for it serves
+    # a row-parallel layer's group: its output is summed over the ranks (inside the stack)
+    all_reduce: ShmCommunicator | None = None
 
 
 NO_SCALE = torch.empty(0, device="cpu")  # StackTensors.scale of a bf16 weight

@@ -16,12 +16,16 @@ Megatron's split, over T ranks:
 unchanged, so the single-process model is the same module, weights and bits as before.
 The sharded methods wrap the weight format's own method (the linear-method seam,
 kiln.models.layers.linear): they slice each checkpoint tensor to this rank's part and hand it
-on, and a row-parallel one all-reduces the output. Their `stack_tensors` is None: the fused
-decoder stack has no collective, so ranks run the layers one call each.
+on, and a row-parallel one all-reduces the output. Their `stack_tensors` are the format's own,
+a row-parallel one's naming its group: the fused decoder stack (kiln.runner.fused_stack) then
+runs each rank's shard and sums o_proj's and down_proj's outputs from inside its C++ loop
+(kernels/cpu/stack.cpp), which it can do through the shared-memory all-reduce only; over gloo
+a row-parallel `stack_tensors` is None and ranks run the layers one call each.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.distributed.communicator import Communicator
+from kiln.distributed.communicator import Communicator, ShmCommunicator
 from kiln.models.layers.linear import Linear, LinearMethod, StackTensors, get_linear_method
 
 
@@ -168,7 +172,8 @@ class ColumnParallel:
         return self.inner.apply_fp32(layer, x)
 
     def stack_tensors(self, layer) -> StackTensors | None:
-        return None
+        """The format's own tensors: they hold this rank's rows already."""
+        return self.inner.stack_tensors(layer)
 
 
 def check_row_shardable(method: LinearMethod, in_features: int | None = None,
@@ -241,7 +246,13 @@ class RowParallel:
         return self.comm.all_reduce_(self.inner.apply_fp32(layer, x))
 
     def stack_tensors(self, layer) -> StackTensors | None:
-        return None
+        """The format's tensors (this rank's columns) with the group that sums the output;
+        None over gloo, which the stack cannot call. A bias would be added on rank 0 before
+        the sum, as `apply` does, but no format hands the stack a layer with a bias."""
+        inner = self.inner.stack_tensors(layer)
+        if inner is None or not isinstance(self.comm, ShmCommunicator):
+            return None
+        return dataclasses.replace(inner, all_reduce=self.comm)
 
 
 class VocabParallelEmbedding(nn.Module):
