@@ -20,6 +20,7 @@ import kiln.models.layers.cpu_bf16  # noqa: F401  (registers dense-bf16-fp32)
 import kiln.models.layers.onednn  # noqa: F401  (registers dense-onednn)
 import kiln.models.layers.vnni  # noqa: F401  (registers dense-vnni)
 from kiln.models.layers.linear import Linear, LinearMethod, get_linear_method
+from kiln.models.layers.moe import FusedExperts
 from kiln.models.registry import resolve_architecture
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -78,6 +79,9 @@ def load_model(path: str | Path, dtype: torch.dtype, backend,
     for module in model.modules():
         if isinstance(module, Linear):
             module.method.finalize(module)
+    for module in model.modules():  # after the experts' linears are packed
+        if isinstance(module, FusedExperts):
+            module.stack_weights()
     return LoadedModel(model.eval(), hf_config, path)
 
 

@@ -46,6 +46,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.kernels.moe_experts import (
+    FUSED_MOE_ENABLED,
+    StackedExperts,
+    fused_max_tokens,
+    fused_moe_available,
+    moe_experts_vnni,
+)
 from kiln.models.layers.expert_parallel import ExpertShard, split_expert_methods
 from kiln.models.layers.linear import Linear, LinearMethod
 from kiln.models.layers.parallel import SINGLE, TensorParallel
@@ -203,18 +210,34 @@ class ExpertMLP(nn.Module):
 
 class FusedExperts(nn.Module):
     """The experts this rank holds (`self[e]`, HF's `experts.{e}`; all E in one process)
-    applied to routed tokens: one sort, one GEMM per active expert, one combine."""
+    applied to routed tokens. Two paths with the same roundings: kiln's fused kernel (one C++
+    call for all of a step's experts, on the held experts' VNNI-packed weights stacked by
+    `stack_weights`) for steps of up to `fused_max_tokens` tokens, else one sort, one GEMM per
+    active expert through its own Linear, one combine."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, prefix: str,
                  method_for: MethodFor, dtype: torch.dtype, ops,
-                 shard: ExpertShard = ExpertShard(SINGLE)):
+                 shard: ExpertShard = ExpertShard(SINGLE), top_k: int = 1):
         super().__init__()
-        self.prefix, self.num_experts = prefix, num_experts
+        self.prefix, self.num_experts, self.top_k = prefix, num_experts, top_k
         columns = shard.expert_columns()
-        for e in shard.held_experts(num_experts):  # registered under HF's name, `{e}`
+        held = shard.held_experts(num_experts)
+        for e in held:  # registered under HF's name, `{e}`
             self.add_module(str(e), ExpertMLP(hidden_size, intermediate_size, f"{prefix}.{e}",
                                               method_for, dtype, ops, columns))
         self.shard = shard
+        # the fused kernel's weights (None: every step takes the per-expert path), the largest
+        # step it serves, and how many steps each path served (benchmarks/moe.py reports them)
+        self.stacked: StackedExperts | None = None
+        self.fused_max_tokens = 0
+        self.fused_steps = self.per_expert_steps = 0
+        # expert id -> its slot in `stacked` where this rank holds a subset (expert
+        # parallelism; experts held elsewhere map to slot 0, never read: they are not owned)
+        slot = None
+        if len(held) != num_experts:
+            slot = torch.zeros(num_experts, dtype=torch.int64)
+            slot[list(held)] = torch.arange(len(held))
+        self.register_buffer("expert_slot", slot, persistent=False)
         # which rank computes each routed pair (expert parallelism only)
         copies, copy_rank = (None, None) if shard.placement is None else \
             shard.placement.copy_tables()
@@ -242,12 +265,38 @@ class FusedExperts(nn.Module):
         token = torch.arange(experts.shape[0], device=experts.device).unsqueeze(1)
         return self.copy_rank[experts, token % self.copies[experts]]
 
+    def stack_weights(self) -> None:
+        """Once, after loading (kiln.models.loader): stack the held experts' VNNI-packed
+        gate/up and down weights into one tensor each for the fused kernel; each expert's
+        Linear then reads a view into it (the weights are held once). Leaves the per-expert
+        path alone where the kernel cannot serve the experts: another weight format, a bias, a
+        CPU without AVX512-BF16, or KILN_FUSED_MOE=0."""
+        layers = [(e.gate_up_proj, e.down_proj) for e in self]
+        if not (FUSED_MOE_ENABLED and layers and fused_moe_available()
+                and all(_vnni_packed(lin) for pair in layers for lin in pair)):
+            return
+        self.stacked = StackedExperts(_stack_packed([g for g, _ in layers]),
+                                      _stack_packed([d for _, d in layers]))
+        self.fused_max_tokens = fused_max_tokens(self.num_experts, self.top_k)
+
+    def takes_fused(self, x: torch.Tensor) -> bool:
+        """Whether the fused kernel serves this step."""
+        return (self.stacked is not None and x.shape[0] <= self.fused_max_tokens
+                and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2)
+
     def forward(self, x: torch.Tensor, routing: Routing,
                 owners: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] -> sum_j w_j * Expert_{ids_j}(x) [T, H] in x's dtype (fp32 combine); with
         `owners` (expert parallelism), over the pairs this rank owns only (a partial sum)."""
-        if owners is not None:
-            return self.forward_owned(x, routing, owners == self.shard.tp.rank)
+        owned = None if owners is None else owners == self.shard.tp.rank
+        if self.takes_fused(x):
+            self.fused_steps += 1
+            slots = routing.experts if self.expert_slot is None else \
+                self.expert_slot[routing.experts]
+            return moe_experts_vnni(x, slots, routing.weights, self.stacked, owned)
+        self.per_expert_steps += 1
+        if owned is not None:
+            return self.forward_owned(x, routing, owned)
         num_tokens, k = routing.experts.shape
         # (token, slot) pairs sorted by expert: each expert's rows form one contiguous run
         sorted_ids, order = routing.experts.flatten().sort(stable=True)
@@ -276,6 +325,20 @@ class FusedExperts(nn.Module):
                 start += count
             y.index_add_(0, rows, torch.cat(outs).float() * weights.unsqueeze(1))
         return y.to(x.dtype)
+
+
+def _vnni_packed(layer: Linear) -> bool:
+    """A linear the fused kernel can read: VNNI-packed bf16 (kiln.models.layers.vnni), no bias."""
+    return getattr(layer, "vnni_weight", None) is not None and layer.bias is None
+
+
+def _stack_packed(layers: list[Linear]) -> torch.Tensor:
+    """The layers' packed weights as one [len(layers), ...] tensor; each layer's own becomes
+    a view into it (its old copy is freed)."""
+    stacked = torch.stack([layer.vnni_weight for layer in layers])
+    for i, layer in enumerate(layers):
+        layer.vnni_weight = stacked[i]
+    return stacked
 
 
 def active_runs(sorted_ids: torch.Tensor) -> Iterable[tuple[int, int]]:
@@ -330,7 +393,8 @@ class SparseMoeBlock(nn.Module):
         h, num_experts = shape.hidden_size, shape.router.num_experts
         self.gate = Router(h, shape.router, dtype)  # replicated: every rank routes the same
         self.experts = FusedExperts(h, shape.expert_intermediate_size, num_experts,
-                                    f"{prefix}.experts", method_for, dtype, ops, shard)
+                                    f"{prefix}.experts", method_for, dtype, ops, shard,
+                                    shape.router.top_k)
         self.shared_name = None
         if shape.shared_intermediate_size:
             self.shared_name = shape.shared_expert_name
