@@ -16,7 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.kernels.moe_experts import fused_max_tokens, fused_moe_available, moe_experts_vnni
+from kiln.kernels.moe_experts import (
+    ExpertFormat,
+    fused_max_tokens,
+    fused_moe_available,
+    moe_experts,
+)
 from kiln.models.layers.expert_parallel import ExpertShard, place_experts
 from kiln.models.layers.linear import get_linear_method
 from kiln.models.layers.moe import FusedExperts, Routing
@@ -26,7 +31,9 @@ from tests.kernels.common import needs_cpu_kernels
 
 needs_fused = pytest.mark.skipif(not fused_moe_available(),
                                  reason="no AVX512-BF16 on this CPU (or kiln's kernels did not "
-                                        "build): the per-expert path serves MoE layers")
+                                        "build): the per-expert path serves bf16 MoE layers")
+needs_fused_int8 = pytest.mark.skipif(not fused_moe_available(ExpertFormat.INT8),
+                                      reason="kiln's kernels did not build")
 
 
 class TwoRanks:
@@ -38,10 +45,12 @@ class TwoRanks:
 
 def make_experts(hidden: int, width: int, num_experts: int, top_k: int, fmt: str = "dense-vnni",
                  shard: ExpertShard | None = None, seed: int = 0) -> FusedExperts:
-    """Experts with random bf16 weights, loaded and finalized as the loader does."""
+    """Experts with random bf16 weights (quantized on load for int8), loaded and finalized as
+    the loader does."""
     import kiln.models.layers.vnni  # noqa: F401  (registers dense-vnni)
+    import kiln.quant  # noqa: F401  (registers int8)
 
-    ops = KernelOps() if fmt == "dense-vnni" else TorchOps()
+    ops = TorchOps() if fmt == "dense" else KernelOps()
     kwargs = {} if shard is None else {"shard": shard}
     experts = FusedExperts(hidden, width, num_experts, "mlp.experts",
                            lambda prefix: get_linear_method(fmt), torch.bfloat16, ops,
@@ -113,7 +122,7 @@ def test_kernel_matches_the_per_expert_path(tokens, hidden, width, num_experts, 
     experts = make_experts(hidden, width, num_experts, top_k)
     x = torch.randn(tokens, hidden).to(torch.bfloat16)
     routing = random_routing(tokens, num_experts, top_k)
-    got = moe_experts_vnni(x, routing.experts, routing.weights, experts.stacked)
+    got = moe_experts(x, routing.experts, routing.weights, experts.stacked)
     assert_within_one_bf16_step(got, per_expert(experts, x, routing))
     if tokens == 17:
         exact = fp64_reference(experts, x, routing)
@@ -179,9 +188,41 @@ def test_bad_expert_ids_fail_with_the_numbers():
     x = torch.randn(2, 64).to(torch.bfloat16)
     ids = torch.tensor([[0, 1], [2, 9]])
     with pytest.raises(RuntimeError, match="expert id 9 of token 1 is outside the 8"):
-        moe_experts_vnni(x, ids, torch.ones(2, 2), experts.stacked)
+        moe_experts(x, ids, torch.ones(2, 2), experts.stacked)
     with pytest.raises(RuntimeError, match="x has 32 features, gate_up packs 64"):
-        moe_experts_vnni(x[:, :32], ids[:, :1], torch.ones(2, 1), experts.stacked)
+        moe_experts(x[:, :32], ids[:, :1], torch.ones(2, 1), experts.stacked)
+
+
+@needs_cpu_kernels
+@needs_fused_int8
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+@pytest.mark.parametrize("hidden,width,num_experts,top_k", [(64, 48, 8, 2), (320, 64, 16, 8)])
+def test_int8_kernel_matches_the_per_expert_path(tokens, hidden, width, num_experts, top_k):
+    """Weight-only int8 experts: up to 8 rows an expert the per-expert path runs kiln's
+    int8_gemv, the same row sums; beyond, torch's int8 kernel, whose sums may round apart."""
+    experts = make_experts(hidden, width, num_experts, top_k, fmt="int8")
+    assert experts.stacked.format is ExpertFormat.INT8
+    assert experts.stacked.gate_up.dtype == torch.int8
+    x = torch.randn(tokens, hidden).to(torch.bfloat16)
+    routing = random_routing(tokens, num_experts, top_k)
+    got = moe_experts(x, routing.experts, routing.weights, experts.stacked)
+    want = per_expert(experts, x, routing)
+    if tokens <= 8:
+        assert_within_one_bf16_step(got, want)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
+                                   atol=2e-2 * want.float().abs().max().item())
+
+
+@needs_cpu_kernels
+@needs_fused_int8
+def test_int8_stacked_weights_are_the_experts_own():
+    experts = make_experts(64, 48, 8, 2, fmt="int8")
+    stacked = experts.stacked
+    assert stacked.gate_up.shape == (8, 96, 64) and stacked.down_scale.shape == (8, 64, 1)
+    for slot, mlp in enumerate(experts):
+        assert mlp.gate_up_proj.weight.data_ptr() == stacked.gate_up[slot].data_ptr()
+        assert mlp.down_proj.weight_scale.data_ptr() == stacked.down_scale[slot].data_ptr()
 
 
 def test_other_formats_keep_the_per_expert_path():
@@ -211,15 +252,21 @@ def fp64_reference_dense(experts: FusedExperts, x: torch.Tensor,
 
 @needs_cpu_kernels
 @needs_fused
-def test_a_tiny_qwen3_moe_decodes_the_same_tokens_with_the_kernel_on_and_off(tmp_path):
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_tiny_qwen3_moe_decodes_the_same_tokens_with_the_kernel_on_and_off(
+        tmp_path, quantization):
     from kiln import LLM, SamplingParams
     from tests.parity.test_moe_parity import make_tiny_moe
 
     llm = LLM(make_tiny_moe(tmp_path / "qwen3_moe", "qwen3_moe"), dtype="bfloat16",
-              max_model_len=256, kv_cache_memory=1 << 24)
+              max_model_len=256, kv_cache_memory=1 << 24, quantization=quantization)
     blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts)]
-    assert blocks and all(b.stacked is not None for b in blocks)
-    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9, 14)]
+    fmt = ExpertFormat.INT8 if quantization else ExpertFormat.BF16_VNNI
+    assert blocks and all(b.stacked is not None and b.stacked.format is fmt for b in blocks)
+    # int8: at most 8 tokens a step, so no expert gets more than 8 rows, past which the
+    # per-expert path leaves int8_gemv's sums for torch's int8 kernel (other roundings)
+    lengths = (2, 3, 3) if quantization else (3, 9, 14)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in lengths]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     def tokens() -> list[list[int]]:

@@ -48,10 +48,11 @@ from torch import nn
 
 from kiln.kernels.moe_experts import (
     FUSED_MOE_ENABLED,
+    ExpertFormat,
     StackedExperts,
     fused_max_tokens,
     fused_moe_available,
-    moe_experts_vnni,
+    moe_experts,
 )
 from kiln.models.layers.expert_parallel import ExpertShard, split_expert_methods
 from kiln.models.layers.linear import Linear, LinearMethod
@@ -266,17 +267,19 @@ class FusedExperts(nn.Module):
         return self.copy_rank[experts, token % self.copies[experts]]
 
     def stack_weights(self) -> None:
-        """Once, after loading (kiln.models.loader): stack the held experts' VNNI-packed
-        gate/up and down weights into one tensor each for the fused kernel; each expert's
-        Linear then reads a view into it (the weights are held once). Leaves the per-expert
-        path alone where the kernel cannot serve the experts: another weight format, a bias, a
-        CPU without AVX512-BF16, or KILN_FUSED_MOE=0."""
-        layers = [(e.gate_up_proj, e.down_proj) for e in self]
-        if not (FUSED_MOE_ENABLED and layers and fused_moe_available()
-                and all(_vnni_packed(lin) for pair in layers for lin in pair)):
+        """Once, after loading (kiln.models.loader): stack the held experts' gate/up and
+        down weights (bf16 VNNI-packed, or weight-only int8) into one tensor each for the
+        fused kernel; each expert's Linear then reads a view into it (the weights are held
+        once). Leaves the per-expert path alone where the kernel cannot serve the experts:
+        another weight format, a bias, bf16 on a CPU without AVX512-BF16, KILN_FUSED_MOE=0."""
+        layers = [lin for e in self for lin in (e.gate_up_proj, e.down_proj)]
+        formats = {_expert_format(lin) for lin in layers}
+        if not (FUSED_MOE_ENABLED and len(formats) == 1) or None in formats:
             return
-        self.stacked = StackedExperts(_stack_packed([g for g, _ in layers]),
-                                      _stack_packed([d for _, d in layers]))
+        fmt = formats.pop()
+        if not fused_moe_available(fmt):
+            return
+        self.stacked = _STACKERS[fmt](layers[0::2], layers[1::2])
         self.fused_max_tokens = fused_max_tokens(self.num_experts, self.top_k)
 
     def takes_fused(self, x: torch.Tensor) -> bool:
@@ -293,7 +296,7 @@ class FusedExperts(nn.Module):
             self.fused_steps += 1
             slots = routing.experts if self.expert_slot is None else \
                 self.expert_slot[routing.experts]
-            return moe_experts_vnni(x, slots, routing.weights, self.stacked, owned)
+            return moe_experts(x, slots, routing.weights, self.stacked, owned)
         self.per_expert_steps += 1
         if owned is not None:
             return self.forward_owned(x, routing, owned)
@@ -327,18 +330,42 @@ class FusedExperts(nn.Module):
         return y.to(x.dtype)
 
 
-def _vnni_packed(layer: Linear) -> bool:
-    """A linear the fused kernel can read: VNNI-packed bf16 (kiln.models.layers.vnni), no bias."""
-    return getattr(layer, "vnni_weight", None) is not None and layer.bias is None
+def _expert_format(layer: Linear) -> ExpertFormat | None:
+    """The fused kernel's name for a finalized expert linear's format (None: it cannot read
+    it): VNNI-packed bf16 (kiln.models.layers.vnni) or weight-only int8 rows (kiln.quant,
+    which the fused decoder stack reads too: `stack_tensors`), without a bias, with its
+    outputs in whole blocks of 16 rows. A tensor-parallel wrapper's inner format decides."""
+    if layer.bias is not None or layer.out_features % 16:
+        return None
+    if getattr(layer, "vnni_weight", None) is not None:
+        return ExpertFormat.BF16_VNNI
+    inner = layer.method
+    while hasattr(inner, "inner"):  # ColumnParallel / PartialRowParallel: this rank's part
+        inner = inner.inner
+    tensors = inner.stack_tensors(layer)
+    if tensors is not None and tensors.weight.dtype == torch.int8 and tensors.scale.numel():
+        return ExpertFormat.INT8
+    return None
 
 
-def _stack_packed(layers: list[Linear]) -> torch.Tensor:
-    """The layers' packed weights as one [len(layers), ...] tensor; each layer's own becomes
-    a view into it (its old copy is freed)."""
-    stacked = torch.stack([layer.vnni_weight for layer in layers])
+def _stack_as_views(layers: list[Linear], name: str) -> torch.Tensor:
+    """The layers' tensor `name` as one [len(layers), ...] tensor; each layer's own becomes a
+    view into it (its old copy is freed)."""
+    stacked = torch.stack([getattr(layer, name) for layer in layers])
     for i, layer in enumerate(layers):
-        layer.vnni_weight = stacked[i]
+        setattr(layer, name, stacked[i])
     return stacked
+
+
+# each format's stacking: (gate_up linears, down linears) -> StackedExperts
+_STACKERS: Mapping[ExpertFormat, Callable[[list[Linear], list[Linear]], StackedExperts]] = {
+    ExpertFormat.BF16_VNNI: lambda up, down: StackedExperts(
+        ExpertFormat.BF16_VNNI, _stack_as_views(up, "vnni_weight"),
+        _stack_as_views(down, "vnni_weight")),
+    ExpertFormat.INT8: lambda up, down: StackedExperts(
+        ExpertFormat.INT8, _stack_as_views(up, "weight"), _stack_as_views(down, "weight"),
+        _stack_as_views(up, "weight_scale"), _stack_as_views(down, "weight_scale")),
+}
 
 
 def active_runs(sorted_ids: torch.Tensor) -> Iterable[tuple[int, int]]:
