@@ -278,3 +278,31 @@ def test_a_tiny_qwen3_moe_decodes_the_same_tokens_with_the_kernel_on_and_off(
         b.fused_max_tokens = 0
     assert tokens() == fused
     assert all(b.per_expert_steps > 0 for b in blocks)
+
+
+@needs_cpu_kernels
+@needs_fused
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_two_ranks_with_the_kernel_match_one_process(tmp_path, expert_parallel):
+    """bf16 over 2 real rank processes: each rank's kernel runs its column share of every
+    expert (TP) or its owned pairs of the experts it holds (EP); the greedy tokens are one
+    process's."""
+    from kiln import LLM, SamplingParams
+    from tests.distributed.test_tensor_parallel import SETTINGS
+    from tests.parity.test_moe_parity import make_tiny_moe
+
+    path = make_tiny_moe(tmp_path / "qwen3_moe", "qwen3_moe")
+    settings = dict(SETTINGS, dtype="bfloat16")
+    prompts = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (4, 19)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    one = [o.outputs[0].token_ids for o in LLM(path, **settings).generate(
+        prompts, params, use_tqdm=False)]
+    two = LLM(path, **settings, tensor_parallel_size=2, dist_timeout_s=20,
+              enable_expert_parallel=expert_parallel)
+    try:
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+        blocks = [m for m in two.engine.runner.model.modules() if isinstance(m, FusedExperts)]
+    finally:
+        two.close()
+    assert blocks and all(b.fused_steps > 0 for b in blocks)  # rank 0's layers
+    assert got == one
