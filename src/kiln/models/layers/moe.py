@@ -25,7 +25,10 @@ pairs are sorted by expert once, the tokens gathered into that order, each *acti
 runs one GEMM over its contiguous run of rows through its own `Linear` (so every weight format
 of kiln.models.layers.linear serves experts too), and the rows are scattered back and summed
 with their weights. A batch-1 decode step therefore reads only its k experts' weights: decode
-cost follows the active parameters, not the total.
+cost follows the active parameters, not the total. Where the experts are bf16 VNNI-packed or
+weight-only int8, decode-sized steps skip even that Python loop: the layer's experts are
+stacked into one tensor per projection after loading and one C++ call (kiln.kernels.
+moe_experts) groups, computes and combines them (docs/moe.md, "The fused expert kernel").
 
 Experts stay one module each (`experts.{e}.gate_up_proj`, HF's per-expert checkpoint names),
 so expert parallelism places a subset of them per rank (kiln.models.layers.expert_parallel:
@@ -212,9 +215,9 @@ class ExpertMLP(nn.Module):
 class FusedExperts(nn.Module):
     """The experts this rank holds (`self[e]`, HF's `experts.{e}`; all E in one process)
     applied to routed tokens. Two paths with the same roundings: kiln's fused kernel (one C++
-    call for all of a step's experts, on the held experts' VNNI-packed weights stacked by
-    `stack_weights`) for steps of up to `fused_max_tokens` tokens, else one sort, one GEMM per
-    active expert through its own Linear, one combine."""
+    call for all of a step's experts, on the held experts' bf16 VNNI-packed or int8 weights
+    stacked by `stack_weights`) for steps of up to `fused_max_tokens` tokens, else one sort,
+    one GEMM per active expert through its own Linear, one combine."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, prefix: str,
                  method_for: MethodFor, dtype: torch.dtype, ops,
@@ -342,7 +345,8 @@ def _expert_format(layer: Linear) -> ExpertFormat | None:
     inner = layer.method
     while hasattr(inner, "inner"):  # ColumnParallel / PartialRowParallel: this rank's part
         inner = inner.inner
-    tensors = inner.stack_tensors(layer)
+    stack_tensors = getattr(inner, "stack_tensors", None)
+    tensors = None if stack_tensors is None else stack_tensors(layer)
     if tensors is not None and tensors.weight.dtype == torch.int8 and tensors.scale.numel():
         return ExpertFormat.INT8
     return None
