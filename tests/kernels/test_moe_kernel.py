@@ -131,6 +131,29 @@ def test_kernel_matches_the_per_expert_path(tokens, hidden, width, num_experts, 
 
 @needs_cpu_kernels
 @needs_fused
+@pytest.mark.parametrize("fmt", ["dense-vnni", "int8"])
+def test_outputs_do_not_depend_on_threads_or_the_batch(fmt):
+    """Each output is summed by one thread in a fixed order: the same bits on 1 or 3 threads,
+    and a token's bits alone or in its batch."""
+    experts = make_experts(320, 64, 16, 8, fmt=fmt)
+    x = torch.randn(6, 320).to(torch.bfloat16)
+    routing = random_routing(6, 16, 8)
+    batch = moe_experts(x, routing.experts, routing.weights, experts.stacked)
+    alone = torch.cat([moe_experts(x[t:t + 1], routing.experts[t:t + 1],
+                                   routing.weights[t:t + 1], experts.stacked) for t in range(6)])
+    assert torch.equal(batch, alone)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(moe_experts(x, routing.experts, routing.weights,
+                                           experts.stacked), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_cpu_kernels
+@needs_fused
 def test_stacked_weights_are_the_experts_own():
     experts = make_experts(64, 48, 8, 2)
     stacked = experts.stacked
@@ -138,6 +161,18 @@ def test_stacked_weights_are_the_experts_own():
     for slot, mlp in enumerate(experts):  # views into the stack: the weights are held once
         assert mlp.gate_up_proj.vnni_weight.data_ptr() == stacked.gate_up[slot].data_ptr()
         assert mlp.down_proj.vnni_weight.data_ptr() == stacked.down[slot].data_ptr()
+
+
+@needs_cpu_kernels
+@needs_fused_int8
+def test_a_cast_or_move_drops_the_stack():
+    """`.to()` copies each expert's tensors on their own (a GPU platform moves the model after
+    loading): the stale host stack is dropped, not kept beside them."""
+    experts = make_experts(64, 48, 8, 2, fmt="int8")
+    experts.to("cpu")
+    assert experts.stacked is not None  # nothing moved: the views stand
+    experts.to(torch.float64)  # casts no int8 buffer, but the fp32 scales: copies
+    assert experts.stacked is None and experts.fused_max_tokens == 0
 
 
 @needs_cpu_kernels

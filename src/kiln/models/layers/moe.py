@@ -282,8 +282,25 @@ class FusedExperts(nn.Module):
         fmt = formats.pop()
         if not fused_moe_available(fmt):
             return
-        self.stacked = _STACKERS[fmt](layers[0::2], layers[1::2])
+        self.stacked = StackedExperts(fmt, **{
+            field: _stack_as_views([getattr(e, linear) for e in self], name)
+            for field, linear, name in _STACKED_TENSORS[fmt]})
         self.fused_max_tokens = fused_max_tokens(self.num_experts, self.top_k)
+
+    def _apply(self, fn, recurse=True):
+        """`.to()` and its kin: a move off the CPU or a cast copies each expert's tensors on
+        their own, so the stack no longer holds them; it is dropped (freeing its host copy)
+        and the per-expert path serves."""
+        super()._apply(fn, recurse)
+        if self.stacked is not None and not self._stack_still_held():
+            self.stacked, self.fused_max_tokens = None, 0
+        return self
+
+    def _stack_still_held(self) -> bool:
+        first = next(iter(self))
+        return all(getattr(getattr(first, linear), name).data_ptr()
+                   == getattr(self.stacked, field)[0].data_ptr()
+                   for field, linear, name in _STACKED_TENSORS[self.stacked.format])
 
     def takes_fused(self, x: torch.Tensor) -> bool:
         """Whether the fused kernel serves this step."""
@@ -361,14 +378,13 @@ def _stack_as_views(layers: list[Linear], name: str) -> torch.Tensor:
     return stacked
 
 
-# each format's stacking: (gate_up linears, down linears) -> StackedExperts
-_STACKERS: Mapping[ExpertFormat, Callable[[list[Linear], list[Linear]], StackedExperts]] = {
-    ExpertFormat.BF16_VNNI: lambda up, down: StackedExperts(
-        ExpertFormat.BF16_VNNI, _stack_as_views(up, "vnni_weight"),
-        _stack_as_views(down, "vnni_weight")),
-    ExpertFormat.INT8: lambda up, down: StackedExperts(
-        ExpertFormat.INT8, _stack_as_views(up, "weight"), _stack_as_views(down, "weight"),
-        _stack_as_views(up, "weight_scale"), _stack_as_views(down, "weight_scale")),
+# each format's stacked tensors: (StackedExperts field, the expert's linear, its tensor there)
+_STACKED_TENSORS: Mapping[ExpertFormat, tuple[tuple[str, str, str], ...]] = {
+    ExpertFormat.BF16_VNNI: (("gate_up", "gate_up_proj", "vnni_weight"),
+                             ("down", "down_proj", "vnni_weight")),
+    ExpertFormat.INT8: (("gate_up", "gate_up_proj", "weight"), ("down", "down_proj", "weight"),
+                        ("gate_up_scale", "gate_up_proj", "weight_scale"),
+                        ("down_scale", "down_proj", "weight_scale")),
 }
 
 
