@@ -11,7 +11,11 @@ dilute the comparison). Rows, per model and weight format (bf16, int8):
   batch1   one 128-token prompt, 128 greedy tokens: prefill ms, decode tok/s
   batch32  32 prompts x 128 in / 128 out, all at once: output tok/s
 
-and the ratio MoE / dense of batch-1 decode time per token (target: at most 1.3).
+and the ratio MoE / dense of batch-1 decode time per token (target: at most 1.3). Each MoE
+row carries `fused_moe`: the weight format kiln's fused expert kernel read (None: it did not
+run, every step took the per-expert path) and the layer-steps each path served over the
+whole measurement (docs/moe.md, "The fused expert kernel"). KILN_FUSED_MOE=0 in the
+environment turns the kernel off, for the comparison with the per-expert path.
 
 `--family glm` makes a GLM-4.5-Air-shaped pair instead (transformers' Glm4MoeConfig): the same
 sizes, DeepSeek-V3's sigmoid router with the score-correction bias (n_group 1, as GLM-4.5),
@@ -163,11 +167,26 @@ def measure(path: str, fmt: str, prompts: list[list[int]], s: Shape, reps: int,
     total = statistics.median(run(prompts[:1], s.new_tokens) for _ in range(reps))
     prefill = statistics.median(run(prompts[:1], 1) for _ in range(reps))
     many = statistics.median(run(prompts, s.new_tokens) for _ in range(reps))
+    base["fused_moe"] = fused_moe_use(llm)
     return [dict(base, test="batch1", prefill_ms=round(prefill * 1e3, 1),
                  decode_ms_per_token=round((total - prefill) / (s.new_tokens - 1) * 1e3, 2),
                  decode_tok_s=round((s.new_tokens - 1) / (total - prefill), 1)),
             dict(base, test=f"batch{len(prompts)}",
                  out_tok_s=round(len(prompts) * s.new_tokens / many, 1))]
+
+
+def fused_moe_use(llm) -> dict | None:
+    """Which path served the MoE layers (None for a dense model): the fused kernel's weight
+    format (None: it did not run) and the layer-steps each path served, summed over layers."""
+    from kiln.models.layers.moe import FusedExperts
+
+    blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts)]
+    if not blocks:
+        return None
+    stacked = blocks[0].stacked
+    return dict(format=None if stacked is None else stacked.format.value,
+                fused_steps=sum(b.fused_steps for b in blocks),
+                per_expert_steps=sum(b.per_expert_steps for b in blocks))
 
 
 def run_measure(name: str, fmt: str, args) -> list[dict]:

@@ -20,6 +20,7 @@ import kiln.models.layers.cpu_bf16  # noqa: F401  (registers dense-bf16-fp32)
 import kiln.models.layers.onednn  # noqa: F401  (registers dense-onednn)
 import kiln.models.layers.vnni  # noqa: F401  (registers dense-vnni)
 from kiln.models.layers.linear import Linear, LinearMethod, get_linear_method
+from kiln.models.layers.moe import FusedExperts
 from kiln.models.registry import resolve_architecture
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -60,9 +61,12 @@ def weight_files(path: Path) -> list[Path]:
 
 def load_model(path: str | Path, dtype: torch.dtype, backend,
                quantization: str | None = None, linear_backend: str = "auto",
-               ops=None, tp=None, stage=None) -> LoadedModel:
+               ops=None, tp=None, stage=None, stack_experts: bool = True) -> LoadedModel:
     """`tp` (a kiln.models.layers.parallel.TensorParallel): load only this rank's part;
-    `stage` (a kiln.models.layers.pipeline.PipelineStage): only this stage's layers."""
+    `stage` (a kiln.models.layers.pipeline.PipelineStage): only this stage's layers.
+    `stack_experts`: let MoE layers run their experts through the fused kernel
+    (FusedExperts.stack_weights); off for tools that hook or swap single expert linears
+    (kiln.quant's calibration and per-layer KL), which only the per-expert path calls."""
     path = Path(path)
     hf_config = read_hf_config(path)
     cls, arch = resolve_architecture(hf_config)
@@ -78,6 +82,9 @@ def load_model(path: str | Path, dtype: torch.dtype, backend,
     for module in model.modules():
         if isinstance(module, Linear):
             module.method.finalize(module)
+    for module in model.modules():  # after the experts' linears are packed
+        if stack_experts and isinstance(module, FusedExperts):
+            module.stack_weights()
     return LoadedModel(model.eval(), hf_config, path)
 
 

@@ -62,7 +62,8 @@ class Reference:
         self.path = Path(path)
         if read_hf_config(self.path).get("quantization_config"):
             raise ValueError(f"{self.path} is quantized; the reference must be dense")
-        self.model = load_model(self.path, dtype, get_attention_backend("torch")).model
+        self.model = load_model(self.path, dtype, get_attention_backend("torch"),
+                                stack_experts=False).model  # its expert linears get hooked
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
         self.linears = {n: m for n, m in self.model.named_modules() if isinstance(m, Linear)}
 

@@ -15,65 +15,14 @@
 #include <ATen/ops/constant_pad_nd.h>
 
 #include "ops.h"
+#include "vnni_tile.h"
 
 namespace kiln {
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 namespace {
 
-constexpr int64_t kBlock = 16;  // output rows per block: one 512-bit vector of fp32 sums
-
-// y[m, n0 + 16 v + i] for m < MT, v < NV: x rows of P int32 (bf16 pairs), `blocks` NV blocks
-// of the packed weight (each P * 32 bf16), the block's valid rows `valid` (16 except in the
-// last block of N % 16 != 0).
-template <int MT, int NV, typename Out>
-inline void vnni_tile(const int32_t* x, int64_t P, const at::BFloat16* w, Out* y, int64_t N,
-                      int64_t n0) {
-  __m512 acc[MT][NV];
-  for (int m = 0; m < MT; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
-  const int64_t stride = P * 2 * kBlock;
-  for (int64_t p = 0; p < P; ++p) {
-    __m512i wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(w + v * stride + p * 2 * kBlock);
-    for (int m = 0; m < MT; ++m) {
-      const __m512i xb = _mm512_set1_epi32(x[m * P + p]);
-      for (int v = 0; v < NV; ++v)
-        acc[m][v] = _mm512_dpbf16_ps(acc[m][v], as_bh(wv[v]), as_bh(xb));
-    }
-  }
-  for (int v = 0; v < NV; ++v) {
-    const int64_t n = n0 + v * kBlock;
-    const int64_t rows = std::min<int64_t>(kBlock, N - n);
-    const __mmask16 mask = rows >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
-    for (int m = 0; m < MT; ++m) {
-      if constexpr (std::is_same_v<Out, float>) {
-        _mm512_mask_storeu_ps(y + m * N + n, mask, acc[m][v]);
-      } else {  // round to nearest even, as torch's float -> bfloat16
-        const __m256i h = (__m256i)_mm512_cvtneps_pbh(acc[m][v]);
-        _mm256_mask_storeu_epi16(y + m * N + n, mask, h);
-      }
-    }
-  }
-}
-
-// Every token tile of x against NV blocks starting at block b.
-template <int NV, typename Out>
-void vnni_panel(const int32_t* x, int64_t M, int64_t P, const at::BFloat16* w, int64_t b,
-                Out* y, int64_t N) {
-  const at::BFloat16* wb = w + b * P * 2 * kBlock;
-  const int64_t n0 = b * kBlock;
-  int64_t m = 0;
-  if constexpr (NV <= 3) {  // 8 x 3 accumulators + 3 weights + 1 broadcast of 32 registers
-    for (; m + 8 <= M; m += 8) vnni_tile<8, NV>(x + m * P, P, wb, y + m * N, N, n0);
-  }
-  for (; m + 4 <= M; m += 4) vnni_tile<4, NV>(x + m * P, P, wb, y + m * N, N, n0);
-  if (m + 2 <= M) {
-    vnni_tile<2, NV>(x + m * P, P, wb, y + m * N, N, n0);
-    m += 2;
-  }
-  if (m < M) vnni_tile<1, NV>(x + m * P, P, wb, y + m * N, N, n0);
-}
+using vnni::vnni_panel;
 
 // Panels of NV blocks across threads; the last, narrower panel by a smaller NV.
 template <int NV, typename Out>

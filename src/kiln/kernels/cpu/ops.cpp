@@ -32,6 +32,11 @@ TORCH_LIBRARY(kiln, m) {
   m.def("bf16_gemm_f32_dot_products() -> bool", &kiln::bf16_gemm_f32_dot_products);
   m.def("bf16_vnni_mm(Tensor x, Tensor w, int n, bool fp32_out) -> Tensor", &kiln::bf16_vnni_mm);
   m.def("bf16_vnni_available() -> bool", &kiln::bf16_vnni_available);
+  m.def("moe_experts_vnni(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, "
+        "Tensor down, Tensor? owned=None) -> Tensor", &kiln::moe_experts_vnni);
+  m.def("moe_experts_int8(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, "
+        "Tensor gate_up_scale, Tensor down, Tensor down_scale, Tensor? owned=None) -> Tensor",
+        &kiln::moe_experts_int8);
   m.def("llama_stack(Tensor x, Tensor positions, Tensor[] input_norm, Tensor[] qkv_proj, "
         "Tensor[] o_proj, Tensor[] post_norm, Tensor[] gate_up_proj, Tensor[] down_proj, "
         "Tensor[] qkv_scale, Tensor[] o_scale, Tensor[] gate_up_scale, Tensor[] down_scale, "

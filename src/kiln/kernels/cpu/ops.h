@@ -52,6 +52,17 @@ bool bf16_gemm_f32_dot_products();
 at::Tensor bf16_vnni_mm(const at::Tensor& x, const at::Tensor& w, int64_t n, bool fp32_out);
 bool bf16_vnni_available();
 
+// moe.cpp: a MoE layer's routed experts in one call, on bf16 VNNI-packed or int8 weight-only
+// experts stacked by expert;
+// torch reference: kiln.models.layers.moe.FusedExperts's per-expert path
+at::Tensor moe_experts_vnni(const at::Tensor& x, const at::Tensor& experts,
+                            const at::Tensor& weights, const at::Tensor& gate_up,
+                            const at::Tensor& down, const std::optional<at::Tensor>& owned);
+at::Tensor moe_experts_int8(const at::Tensor& x, const at::Tensor& experts,
+                            const at::Tensor& weights, const at::Tensor& gate_up,
+                            const at::Tensor& gate_up_scale, const at::Tensor& down,
+                            const at::Tensor& down_scale, const std::optional<at::Tensor>& owned);
+
 // stack.cpp; reduce_segment: tensor parallelism's shared-memory all-reduce (allreduce.h)
 at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
                        at::TensorList input_norm, at::TensorList qkv_proj,

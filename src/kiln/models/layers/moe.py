@@ -25,7 +25,10 @@ pairs are sorted by expert once, the tokens gathered into that order, each *acti
 runs one GEMM over its contiguous run of rows through its own `Linear` (so every weight format
 of kiln.models.layers.linear serves experts too), and the rows are scattered back and summed
 with their weights. A batch-1 decode step therefore reads only its k experts' weights: decode
-cost follows the active parameters, not the total.
+cost follows the active parameters, not the total. Where the experts are bf16 VNNI-packed or
+weight-only int8, decode-sized steps skip even that Python loop: the layer's experts are
+stacked into one tensor per projection after loading and one C++ call (kiln.kernels.
+moe_experts) groups, computes and combines them (docs/moe.md, "The fused expert kernel").
 
 Experts stay one module each (`experts.{e}.gate_up_proj`, HF's per-expert checkpoint names),
 so expert parallelism places a subset of them per rank (kiln.models.layers.expert_parallel:
@@ -46,6 +49,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.kernels.moe_experts import (
+    FUSED_MOE_ENABLED,
+    ExpertFormat,
+    StackedExperts,
+    fused_max_tokens,
+    fused_moe_available,
+    moe_experts,
+)
 from kiln.models.layers.expert_parallel import ExpertShard, split_expert_methods
 from kiln.models.layers.linear import Linear, LinearMethod
 from kiln.models.layers.parallel import SINGLE, TensorParallel
@@ -203,18 +214,34 @@ class ExpertMLP(nn.Module):
 
 class FusedExperts(nn.Module):
     """The experts this rank holds (`self[e]`, HF's `experts.{e}`; all E in one process)
-    applied to routed tokens: one sort, one GEMM per active expert, one combine."""
+    applied to routed tokens. Two paths with the same roundings: kiln's fused kernel (one C++
+    call for all of a step's experts, on the held experts' bf16 VNNI-packed or int8 weights
+    stacked by `stack_weights`) for steps of up to `fused_max_tokens` tokens, else one sort,
+    one GEMM per active expert through its own Linear, one combine."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, prefix: str,
                  method_for: MethodFor, dtype: torch.dtype, ops,
-                 shard: ExpertShard = ExpertShard(SINGLE)):
+                 shard: ExpertShard = ExpertShard(SINGLE), top_k: int = 1):
         super().__init__()
-        self.prefix, self.num_experts = prefix, num_experts
+        self.prefix, self.num_experts, self.top_k = prefix, num_experts, top_k
         columns = shard.expert_columns()
-        for e in shard.held_experts(num_experts):  # registered under HF's name, `{e}`
+        held = shard.held_experts(num_experts)
+        for e in held:  # registered under HF's name, `{e}`
             self.add_module(str(e), ExpertMLP(hidden_size, intermediate_size, f"{prefix}.{e}",
                                               method_for, dtype, ops, columns))
         self.shard = shard
+        # the fused kernel's weights (None: every step takes the per-expert path), the largest
+        # step it serves, and how many steps each path served (benchmarks/moe.py reports them)
+        self.stacked: StackedExperts | None = None
+        self.fused_max_tokens = 0
+        self.fused_steps = self.per_expert_steps = 0
+        # expert id -> its slot in `stacked` where this rank holds a subset (expert
+        # parallelism; experts held elsewhere map to slot 0, never read: they are not owned)
+        slot = None
+        if len(held) != num_experts:
+            slot = torch.zeros(num_experts, dtype=torch.int64)
+            slot[list(held)] = torch.arange(len(held))
+        self.register_buffer("expert_slot", slot, persistent=False)
         # which rank computes each routed pair (expert parallelism only)
         copies, copy_rank = (None, None) if shard.placement is None else \
             shard.placement.copy_tables()
@@ -242,12 +269,57 @@ class FusedExperts(nn.Module):
         token = torch.arange(experts.shape[0], device=experts.device).unsqueeze(1)
         return self.copy_rank[experts, token % self.copies[experts]]
 
+    def stack_weights(self) -> None:
+        """Once, after loading (kiln.models.loader): stack the held experts' gate/up and
+        down weights (bf16 VNNI-packed, or weight-only int8) into one tensor each for the
+        fused kernel; each expert's Linear then reads a view into it (the weights are held
+        once). Leaves the per-expert path alone where the kernel cannot serve the experts:
+        another weight format, a bias, bf16 on a CPU without AVX512-BF16, KILN_FUSED_MOE=0."""
+        layers = [lin for e in self for lin in (e.gate_up_proj, e.down_proj)]
+        formats = {_expert_format(lin) for lin in layers}
+        if not (FUSED_MOE_ENABLED and len(formats) == 1) or None in formats:
+            return
+        fmt = formats.pop()
+        if not fused_moe_available(fmt):
+            return
+        self.stacked = StackedExperts(fmt, **{
+            field: _stack_as_views([getattr(e, linear) for e in self], name)
+            for field, linear, name in _STACKED_TENSORS[fmt]})
+        self.fused_max_tokens = fused_max_tokens(self.num_experts, self.top_k)
+
+    def _apply(self, fn, recurse=True):
+        """`.to()` and its kin: a move off the CPU or a cast copies each expert's tensors on
+        their own, so the stack no longer holds them; it is dropped (freeing its host copy)
+        and the per-expert path serves."""
+        super()._apply(fn, recurse)
+        if self.stacked is not None and not self._stack_still_held():
+            self.stacked, self.fused_max_tokens = None, 0
+        return self
+
+    def _stack_still_held(self) -> bool:
+        first = next(iter(self))
+        return all(getattr(getattr(first, linear), name).data_ptr()
+                   == getattr(self.stacked, field)[0].data_ptr()
+                   for field, linear, name in _STACKED_TENSORS[self.stacked.format])
+
+    def takes_fused(self, x: torch.Tensor) -> bool:
+        """Whether the fused kernel serves this step."""
+        return (self.stacked is not None and x.shape[0] <= self.fused_max_tokens
+                and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2)
+
     def forward(self, x: torch.Tensor, routing: Routing,
                 owners: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] -> sum_j w_j * Expert_{ids_j}(x) [T, H] in x's dtype (fp32 combine); with
         `owners` (expert parallelism), over the pairs this rank owns only (a partial sum)."""
-        if owners is not None:
-            return self.forward_owned(x, routing, owners == self.shard.tp.rank)
+        owned = None if owners is None else owners == self.shard.tp.rank
+        if self.takes_fused(x):
+            self.fused_steps += 1
+            slots = routing.experts if self.expert_slot is None else \
+                self.expert_slot[routing.experts]
+            return moe_experts(x, slots, routing.weights, self.stacked, owned)
+        self.per_expert_steps += 1
+        if owned is not None:
+            return self.forward_owned(x, routing, owned)
         num_tokens, k = routing.experts.shape
         # (token, slot) pairs sorted by expert: each expert's rows form one contiguous run
         sorted_ids, order = routing.experts.flatten().sort(stable=True)
@@ -276,6 +348,44 @@ class FusedExperts(nn.Module):
                 start += count
             y.index_add_(0, rows, torch.cat(outs).float() * weights.unsqueeze(1))
         return y.to(x.dtype)
+
+
+def _expert_format(layer: Linear) -> ExpertFormat | None:
+    """The fused kernel's name for a finalized expert linear's format (None: it cannot read
+    it): VNNI-packed bf16 (kiln.models.layers.vnni) or weight-only int8 rows (kiln.quant,
+    which the fused decoder stack reads too: `stack_tensors`), without a bias, with its
+    outputs in whole blocks of 16 rows. A tensor-parallel wrapper's inner format decides."""
+    if layer.bias is not None or layer.out_features % 16:
+        return None
+    if getattr(layer, "vnni_weight", None) is not None:
+        return ExpertFormat.BF16_VNNI
+    inner = layer.method
+    while hasattr(inner, "inner"):  # ColumnParallel / PartialRowParallel: this rank's part
+        inner = inner.inner
+    stack_tensors = getattr(inner, "stack_tensors", None)
+    tensors = None if stack_tensors is None else stack_tensors(layer)
+    if tensors is not None and tensors.weight.dtype == torch.int8 and tensors.scale.numel():
+        return ExpertFormat.INT8
+    return None
+
+
+def _stack_as_views(layers: list[Linear], name: str) -> torch.Tensor:
+    """The layers' tensor `name` as one [len(layers), ...] tensor; each layer's own becomes a
+    view into it (its old copy is freed)."""
+    stacked = torch.stack([getattr(layer, name) for layer in layers])
+    for i, layer in enumerate(layers):
+        setattr(layer, name, stacked[i])
+    return stacked
+
+
+# each format's stacked tensors: (StackedExperts field, the expert's linear, its tensor there)
+_STACKED_TENSORS: Mapping[ExpertFormat, tuple[tuple[str, str, str], ...]] = {
+    ExpertFormat.BF16_VNNI: (("gate_up", "gate_up_proj", "vnni_weight"),
+                             ("down", "down_proj", "vnni_weight")),
+    ExpertFormat.INT8: (("gate_up", "gate_up_proj", "weight"), ("down", "down_proj", "weight"),
+                        ("gate_up_scale", "gate_up_proj", "weight_scale"),
+                        ("down_scale", "down_proj", "weight_scale")),
+}
 
 
 def active_runs(sorted_ids: torch.Tensor) -> Iterable[tuple[int, int]]:
@@ -330,7 +440,8 @@ class SparseMoeBlock(nn.Module):
         h, num_experts = shape.hidden_size, shape.router.num_experts
         self.gate = Router(h, shape.router, dtype)  # replicated: every rank routes the same
         self.experts = FusedExperts(h, shape.expert_intermediate_size, num_experts,
-                                    f"{prefix}.experts", method_for, dtype, ops, shard)
+                                    f"{prefix}.experts", method_for, dtype, ops, shard,
+                                    shape.router.top_k)
         self.shared_name = None
         if shape.shared_intermediate_size:
             self.shared_name = shape.shared_expert_name
