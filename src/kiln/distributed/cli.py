@@ -38,6 +38,7 @@ from kiln.runner.rank_loop import (
     ENGINE_KEY,
     STOP_WAIT_S,
     AllocateKV,
+    DataParallelStep,
     NodeSpec,
     RankCommand,
     RankLaunch,
@@ -65,6 +66,8 @@ def follow(runner: ModelRunner, group: RankGroup) -> None:
             runner.allocate_kv_cache(command.num_blocks)
         elif isinstance(command, RunStep):
             runner.follow_step(schedule_of(command), command.logits_index)
+        elif isinstance(command, DataParallelStep):
+            runner.follow_data_parallel(command)
         else:
             runner.move_slots(torch.tensor(command.src), torch.tensor(command.dst))
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kiln.models.layers.expert_parallel import expert_shard, experts_elsewhere
 from kiln.models.layers.kv_layout import CacheLayout
 from kiln.models.layers.linear import Linear, LinearMethod
 from kiln.models.layers.mla import DeepseekRope, MlaShape, MultiHeadLatentAttention, RopeTables
@@ -112,19 +113,22 @@ def mla_cache_layout(a: DeepseekV3Arch) -> CacheLayout:
     return CacheLayout.mla_latent(a.mla.kv_lora_rank, a.mla.qk_rope_head_dim)
 
 
-def sparse_feed_forward(a: DeepseekV3Arch, prefix: str, method_for: MethodFor, dtype,
-                        ops: TorchOps) -> nn.Module:
-    """A sparse layer's mixture of experts: DeepSeek's sigmoid router with the bias-corrected
-    grouped top-k, and its shared experts (kiln.models.layers.moe)."""
+def sparse_feed_forward(a: DeepseekV3Arch, index: int, method_for: MethodFor, dtype,
+                        ops: TorchOps, tp: TensorParallel = SINGLE) -> nn.Module:
+    """Layer `index`'s mixture of experts: DeepSeek's sigmoid router with the bias-corrected
+    grouped top-k, and its shared experts (kiln.models.layers.moe); this rank's experts
+    under data-parallel attention (kiln.models.layers.expert_parallel)."""
     assert a.moe is not None
-    return SparseMoeBlock(a.moe, f"{prefix}.mlp", method_for, dtype, ops)
+    shard = expert_shard(tp, index, a.moe.router.num_experts)
+    return SparseMoeBlock(a.moe, f"model.layers.{index}.mlp", method_for, dtype, ops, shard,
+                          index)
 
 
 class DeepseekV3DecoderLayer(nn.Module):
     """(x, residual) -> (ffn_out, residual + attn_out), each norm fusing the residual add."""
 
     def __init__(self, a: DeepseekV3Arch, index: int, method_for: MethodFor, dtype, backend,
-                 ops: TorchOps):
+                 ops: TorchOps, tp: TensorParallel = SINGLE):
         super().__init__()
         prefix = f"model.layers.{index}"
         self.input_layernorm = _norm(a, dtype)
@@ -135,7 +139,7 @@ class DeepseekV3DecoderLayer(nn.Module):
         if index < a.first_k_dense_replace:
             self.mlp = LlamaMLP(a, f"{prefix}.mlp", method_for, dtype, ops)
         else:
-            self.mlp = sparse_feed_forward(a, prefix, method_for, dtype, ops)
+            self.mlp = sparse_feed_forward(a, index, method_for, dtype, ops, tp)
         self.ops = ops
 
     def dense_mlp(self) -> None:
@@ -160,11 +164,13 @@ def _norm(a: DeepseekV3Arch, dtype) -> RMSNorm:
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, a: DeepseekV3Arch, method_for: MethodFor, dtype, backend, ops):
+    def __init__(self, a: DeepseekV3Arch, method_for: MethodFor, dtype, backend, ops,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         self.embed_tokens = SINGLE.embedding(a.vocab_size, a.hidden_size, dtype)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(a, i, method_for, dtype, backend, ops)
-                                    for i in range(a.num_layers))
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(a, i, method_for, dtype, backend, ops, tp)
+            for i in range(a.num_layers))
         self.norm = _norm(a, dtype)
 
 
@@ -185,13 +191,15 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise ValueError(f"attention backend {type(backend).__name__} has no multi-head "
                              f"latent attention; DeepSeek-V3 runs on the torch or cpu backend")
         self.arch, self.ops = a, ops or TorchOps()
-        self.model = DeepseekV3Model(a, method_for, dtype, backend, self.ops)
+        self.model = DeepseekV3Model(a, method_for, dtype, backend, self.ops, tp)
         self.rope = RopeTables(a.rope, a.max_position_embeddings, dtype)
         self.lm_head = Linear(a.hidden_size, a.vocab_size, dtype=dtype,
                               method=method_for("lm_head"))
-        # multi-token-prediction layers follow the decoder's in the checkpoint; not run
+        # multi-token-prediction layers follow the decoder's in the checkpoint (not run), and
+        # under expert parallelism other ranks' experts
         self.unused_checkpoint_prefixes = tuple(
-            f"model.layers.{i}." for i in range(a.num_layers, a.num_layers + a.mtp_layers))
+            f"model.layers.{i}." for i in range(a.num_layers, a.num_layers + a.mtp_layers)
+        ) + experts_elsewhere(self)
 
     def cache_layout(self) -> CacheLayout:
         """What each layer's KV cache holds: c_kv and k_pe (kiln.models.layers.kv_layout)."""
