@@ -138,3 +138,42 @@ def test_bad_combinations_fail_at_start_naming_the_numbers(tiny_ckpt, tmp_path):
         LLM(path, **SETTINGS, **DP, num_redundant_experts=1)
     with pytest.raises(ValueError, match="data_parallel_size 2 with speculative decoding"):
         LLM(path, **SETTINGS, **DP, speculator="ngram")
+
+
+def test_a_data_parallel_server_answers_as_one_process(engines, tmp_path):
+    """`kiln serve --data-parallel-size 2 --enable-expert-parallel`: two concurrent
+    completions (one per rank) give one process's greedy text, and /metrics counts every
+    routed pair of both, per expert and per rank."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.cluster.conftest import wait_for
+    from tests.serve.conftest import start_server
+
+    one, _ = engines("qwen3_moe")
+    prompts = ["The quick brown fox", "Paris is the capital of"]
+    expected = [o.outputs[0].text for o in one.generate(
+        prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)]
+    server = start_server(one.engine.model_path, tmp_path, "--data-parallel-size", "2",
+                          "--enable-expert-parallel", "--served-model-name", "m", wait=False)
+    try:
+        server.wait_health(200, timeout=180)  # three processes start on shared cores
+        client = server.openai()
+
+        def complete(prompt: str):
+            return client.completions.create(model="m", prompt=prompt, max_tokens=6,
+                                             temperature=0, extra_body={"ignore_eos": True})
+
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(complete, prompts))
+        assert [o.choices[0].text for o in outs] == expected
+        computed = sum(o.usage.prompt_tokens + o.usage.completion_tokens - 1 for o in outs)
+
+        def routed(kind: str) -> list[float]:
+            return [v for k, v in server.metrics().items() if k.startswith(
+                f"kiln:moe_{kind}_tokens_total{{") and 'layer="0"' in k]
+
+        wait_for(lambda: sum(routed("expert")) == 2 * computed, 30, server,
+                 "both completions' routed pairs (top 2) in /metrics")
+        assert len(routed("rank")) == 2 and sum(routed("rank")) == 2 * computed
+    finally:
+        server.stop()
