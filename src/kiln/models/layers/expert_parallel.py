@@ -24,6 +24,11 @@ run of correlated neighbours) over all ranks, which balances a step's work. With
 `num_redundant_experts` K the K extra copies go to the hottest experts (highest load per
 copy), and a routed pair (token t, expert e) is computed by copy t mod c_e of e's c_e copies:
 a fixed rule, so the tokens are the same as one rank's whatever the placement.
+
+Under data-parallel attention (`ExpertParallelOptions.data_parallel`) attention is not split
+and each rank holds only its own tokens: the experts then span the data-parallel ranks, the
+block first gathers every rank's tokens (`ExpertShard.gather`) and each rank keeps its own
+rows of the all-reduce (`ExpertShard.reduce`); kiln.distributed.dp_attention.
 """
 
 from __future__ import annotations
