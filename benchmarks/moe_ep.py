@@ -10,15 +10,23 @@ runs in a fresh process, bf16 (or --format int8):
   tp2      tensor_parallel_size 2, T/2 threads per rank: experts split by columns
   ep2      tensor_parallel_size 2 + enable_expert_parallel: 32 whole experts per rank
   ep2-rK   ep2 + num_redundant_experts K (--redundant, default 8) from one's measured load
+  dp2      data_parallel_size 2 + enable_expert_parallel: attention whole per rank on its own
+           requests (its own KV pool), 32 whole experts per rank, tokens exchanged around
+           each sparse block (docs/moe.md, "Data-parallel attention"; not in the default
+           --layouts: add it, e.g. --layouts one,ep2,dp2)
+  dp2-cols data_parallel_size 2, every expert split by columns over the two ranks
 
 Rows per layout: batch1 (one 128-token prompt, 128 greedy tokens: prefill ms, decode tok/s,
 decode time = the whole request's minus a 1-token request's) and batch32 (32 x 128/128 at
 once: output tok/s), each with the measured expert load's imbalance (max / mean tokens per
-expert, and per rank under EP; mean over layers) of the batch-32 run, and whether the batch-32
-greedy tokens equal one process's (bf16: rounding differs between layouts, so a few may not).
+expert, and per rank under EP; mean over layers) of the batch-32 run, the engine's KV blocks
+(all ranks' pools: data-parallel ranks each hold a pool as large as one process's), and whether
+the batch-32 greedy tokens equal one process's (bf16: rounding differs between layouts, so a
+few may not). A batch-1 request runs on one data-parallel rank while the other only joins the
+expert exchanges: dp2 is for batches.
 
 usage: python benchmarks/moe_ep.py [--dir /tmp/kiln-moe-bench] [--threads 4] [--reps 3]
-       [--format bf16|int8] [--redundant 8] [--layouts one,tp2,ep2,ep2-r]
+       [--format bf16|int8] [--redundant 8] [--layouts one,tp2,ep2,ep2-r,dp2,dp2-cols]
        [--out benchmarks/results/moe_ep.json]
        smoke check (toy model, few tokens): python benchmarks/moe_ep.py --tiny
 """
@@ -46,6 +54,9 @@ def layout_settings(layout: str, args, root: Path) -> dict:
     """LLM settings of one layout."""
     if layout == "one":
         return dict(num_threads=args.threads)
+    if layout.startswith("dp2"):
+        return dict(data_parallel_size=2, num_threads=max(1, args.threads // 2),
+                    enable_expert_parallel=layout == "dp2")
     two = dict(tensor_parallel_size=2, num_threads=max(1, args.threads // 2))
     if layout == "tp2":
         return two
@@ -66,7 +77,7 @@ def measure(layout: str, args, root: Path, shape) -> list[dict]:
               **layout_settings(layout, args, root))
 
     def run(batch: list[list[int]], new: int) -> tuple[float, list]:
-        llm.engine.kv.pool.reset_prefix_cache()  # every run starts cold
+        llm.engine.kv.set_prefix_caching(True)  # every run starts cold (every rank's pool)
         params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
@@ -88,7 +99,7 @@ def measure(layout: str, args, root: Path, shape) -> list[dict]:
                  decode_tok_s=round((shape.new_tokens - 1) / (total - prefill), 1)),
             dict(base, test=f"batch{len(prompts)}",
                  out_tok_s=round(len(prompts) * shape.new_tokens / many, 1),
-                 **imbalance(before, load))]
+                 kv_blocks=llm.engine.kv.stats().num_blocks, **imbalance(before, load))]
 
 
 def imbalance(before, after) -> dict:

@@ -148,14 +148,22 @@ class ParallelConfig:
     # mixture-of-experts models over the ranks (kiln.models.layers.expert_parallel,
     # docs/moe.md "Expert parallelism"): experts split by columns (default) or placed whole
     enable_expert_parallel: bool = field(default=False, metadata=doc(
-        "place whole experts on the tensor-parallel ranks (expert parallelism) instead of "
-        "splitting every expert's columns over them; attention stays tensor-parallel"))
+        "place whole experts on the tensor-parallel (or data-parallel) ranks (expert "
+        "parallelism) instead of splitting every expert's columns over them; attention stays "
+        "tensor-parallel (or data-parallel)"))
     num_redundant_experts: int = field(default=0, metadata=doc(
         "with expert parallelism: extra copies of the hottest experts of each MoE layer, "
         "placed on the least-loaded ranks (their tokens split between the copies)"))
     expert_load_file: str | None = field(default=None, metadata=doc(
         "JSON of measured tokens per expert (LLM.expert_load().save) that expert placement "
         "and redundant copies follow", none_means="every expert equally loaded"))
+    # data-parallel attention beside the experts (docs/moe.md "Data-parallel attention"): D
+    # rank processes each run attention on its own requests, holding only their KV; the
+    # mixture-of-experts blocks exchange the tokens and split the experts over the D ranks
+    data_parallel_size: int = field(default=1, metadata=doc(
+        "rank processes that each run attention whole on their own requests (their own KV "
+        "cache, not duplicated), the mixture-of-experts layers' experts split over them "
+        "(with --enable-expert-parallel: whole experts); MoE models on this machine"))
 
     def __post_init__(self):
         check_choices(self)
@@ -173,7 +181,20 @@ class ParallelConfig:
             raise ValueError(f"num_redundant_experts {self.num_redundant_experts} needs "
                              f"enable_expert_parallel (copies of whole experts on ranks)")
         self._check_pipeline()
+        self._check_data_parallel()
         self._check_nodes()
+
+    def _check_data_parallel(self) -> None:
+        d = self.data_parallel_size
+        if d < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {d}")
+        if d == 1:
+            return
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"data_parallel_size {d} with {name} {getattr(self, name)}: "
+                                 f"data-parallel attention runs on one machine with whole "
+                                 f"attention per rank; use one of them")
 
     def _check_nodes(self) -> None:
         n, r = self.nnodes, self.node_rank
@@ -211,7 +232,7 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         """Rank processes of one engine."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -232,6 +253,12 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None  # speculative decoding; None = off
     structured: StructuredConfig = field(default_factory=lambda: StructuredConfig())  # grammars
+
+    def __post_init__(self):
+        if self.parallel.data_parallel_size > 1 and self.speculative is not None:
+            raise ValueError(f"data_parallel_size {self.parallel.data_parallel_size} with "
+                             f"speculative decoding: not supported yet (a rank's drafts and "
+                             f"their KV moves would have to follow its requests)")
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -38,6 +38,7 @@ from kiln.runner.rank_loop import (
     ENGINE_KEY,
     STOP_WAIT_S,
     AllocateKV,
+    DataParallelStep,
     FinishStep,
     NodeSpec,
     RankCommand,
@@ -68,6 +69,8 @@ def follow(runner: ModelRunner, group: RankGroup) -> None:
             runner.follow_step(schedule_of(command), command.logits_index, command.finish)
         elif isinstance(command, FinishStep):
             runner.follow_finish()
+        elif isinstance(command, DataParallelStep):
+            runner.follow_data_parallel(command)
         else:
             runner.move_slots(torch.tensor(command.src), torch.tensor(command.dst))
 

@@ -74,6 +74,8 @@ class ScheduledRequest:
     # the scheduled drafts' parents (-1: the last known token; else an earlier draft's index)
     # when they form a tree; None: a chain (each draft follows the one before)
     draft_parents: list[int] | None = None
+    # data-parallel attention: the rank whose KV pool holds the request (block_ids index it)
+    dp_rank: int = 0
 
 
 @dataclass

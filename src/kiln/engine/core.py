@@ -24,7 +24,8 @@ import msgspec
 
 from kiln.config import EngineConfig
 from kiln.engine.contract import EngineCoreOutput, RunnerOutput, SchedulerOutput
-from kiln.engine.kv_manager import KVCacheManager, KVCacheStats
+from kiln.engine.dp_kv import kv_manager_for
+from kiln.engine.kv_manager import KVCacheStats
 from kiln.engine.limits import EngineLimits, validate_request
 from kiln.engine.limits import RequestError as RequestError  # re-exported: its old home
 from kiln.engine.pipelined import StepPipeline
@@ -166,7 +167,9 @@ class EngineCore:
                                        sc.max_num_batched_tokens, sc.max_num_seqs))
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_graphs(sc.max_num_seqs, self.max_model_len)  # on a GPU only
-        self.kv = KVCacheManager(config.cache, num_blocks, emit_events=emit_kv_events)
+        # one pool, or one per data-parallel rank (kiln.engine.dp_kv); num_blocks is per rank
+        self.kv = kv_manager_for(config.cache, num_blocks, config.parallel.data_parallel_size,
+                                 emit_kv_events)
         # grammars (compiled off the step loop) and the repetition guard
         self.structured = structured(self.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(self._scheduler_config(), self.kv, self.max_model_len,

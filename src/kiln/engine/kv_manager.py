@@ -54,6 +54,11 @@ class KVCacheManager:
         """The request's block table (read-only; valid until its next allocate/trim/free)."""
         return self._block_ids.get(request_id, [])
 
+    def dp_rank(self, request_id: str) -> int:
+        """The data-parallel rank whose pool holds the request: one pool, rank 0
+        (kiln.engine.dp_kv holds one pool per rank)."""
+        return 0
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -150,7 +150,9 @@ class Scheduler:
         `request`)."""
         while not self.kv.allocate(request, num_new):
             taken = {s.request_id for s in scheduled} | busy
-            candidates = [r for r in self.running if r.request_id not in taken]
+            pool = self.kv.dp_rank(request.request_id)  # (data-parallel ranks: its pool's)
+            candidates = [r for r in self.running if r.request_id not in taken
+                          and self.kv.dp_rank(r.request_id) == pool]
             victim = (max(candidates, key=lambda r: r.sort_key())
                       if self.config.policy == "priority" else candidates[-1])
             self._preempt(victim)
@@ -230,7 +232,8 @@ class Scheduler:
             draft_probs=None if request.spec_draft_probs is None or not drafts
             else request.spec_draft_probs[:drafts],
             draft_parents=None if request.spec_parents is None or not drafts
-            else request.spec_parents[:drafts])
+            else request.spec_parents[:drafts],
+            dp_rank=self.kv.dp_rank(request.request_id))
 
     # -- update ---------------------------------------------------------------------------
 

@@ -136,7 +136,8 @@ def sparse_feed_forward(a: DeepseekV3Arch, index: int, method_for: MethodFor, dt
                         ops: TorchOps, tp: TensorParallel = SINGLE) -> nn.Module:
     """Layer `index`'s mixture of experts: DeepSeek's sigmoid router with the bias-corrected
     grouped top-k, and its shared experts (kiln.models.layers.moe); this rank's experts or
-    columns of them under tensor parallelism."""
+    columns of them under tensor parallelism, its experts under data-parallel attention
+    (kiln.models.layers.expert_parallel)."""
     assert a.moe is not None
     shard = expert_shard(tp, index, a.moe.router.num_experts)
     return SparseMoeBlock(a.moe, f"model.layers.{index}.mlp", method_for, dtype, ops, shard,

@@ -8,7 +8,9 @@ With tensor parallelism (`parallel.tensor_parallel_size` > 1) this runner is ran
 starts the other ranks (kiln.runner.rank_loop) and tells them each step before running its
 own part; a following rank's runner (built with `ranks`) runs `follow_step` instead. With
 pipeline parallelism (`pipeline_parallel_size` > 1) each rank holds one stage's layers and
-runs them through kiln.runner.pipeline; rank 0 is the last stage.
+runs them through kiln.runner.pipeline; rank 0 is the last stage. With data-parallel
+attention (`data_parallel_size` > 1) each rank runs its own requests whole and the ranks
+share the experts (kiln.runner.data_parallel).
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ from kiln.runner import fused_stack
 from kiln.runner.attention import get_attention_backend, slot_mapping_for
 from kiln.runner.batch import BatchInputs, LogitsRows, build_batch
 from kiln.runner.cuda_graphs import DecodeGraphs, GraphBackend, capture_sizes
+from kiln.runner.data_parallel import (
+    DataParallelAttention,
+    attention_parallel,
+    check_data_parallel,
+)
 from kiln.runner.device_memory import DeviceMemory, activation_reserve, gpu_kv_blocks, measure
 from kiln.runner.hooks import NoGrammar, StepGrammar, StepGrammarFactory, VerifyShortlist
 from kiln.runner.pipeline import (
@@ -53,6 +60,7 @@ from kiln.runner.pipeline import (
 )
 from kiln.runner.rank_loop import (
     AllocateKV,
+    DataParallelStep,
     FinishStep,
     Leader,
     MoveSlots,
@@ -145,6 +153,9 @@ class ModelRunner:
             ranks = self.leader.group
         tp = SINGLE if ranks is None or ranks.comm is None else TensorParallel(
             ranks.comm, ExpertParallelOptions.from_parallel(parallel))
+        exchange = None
+        if parallel.data_parallel_size > 1:  # attention whole per rank, experts shared
+            tp, exchange = attention_parallel(parallel, ranks.comm)
         pipe = None if ranks is None else ranks.pipe
         loaded = load_model(model_path, self.dtype, self.backend, model_config.quantization,
                             self.platform.linear_backend, self.ops,
@@ -175,6 +186,9 @@ class ModelRunner:
                 self.kv_spec, num_layers=kv_budget_layers(parallel, arch))
         self.finishes_told = 0  # rank 0 of a pipeline: steps submitted with finish_oldest
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []  # per layer: (K, V) or (latent,)
+        # data-parallel attention: this rank's side of each step (its own requests)
+        self.data_parallel = None if exchange is None else DataParallelAttention(
+            exchange, self.model, self._forward_batch, self.dtype, self.device)
         self.sampler = Sampler(arch.vocab_size, eos_token_ids, model_config.seed, self.device)
         self._generators: dict[str, torch.Generator] = {}
         self.keep_hidden = False  # set by kiln.speculative proposers that read hidden states
@@ -188,7 +202,8 @@ class ModelRunner:
         # enforce_eager, with a backend that can be captured; their padding rows write to a
         # scratch block allocated past the pool's blocks
         self.use_graphs = (self.device.type == "cuda" and not model_config.enforce_eager
-                           and isinstance(self.backend, GraphBackend) and self.stages is None)
+                           and isinstance(self.backend, GraphBackend) and self.stages is None
+                           and self.data_parallel is None)
         self.graphs: DecodeGraphs | None = None
 
     @staticmethod
@@ -200,6 +215,8 @@ class ModelRunner:
         if size == 1 or ranks is not None:
             return None
         model_class, arch = resolve_architecture(hf_config := read_hf_config(model_path))
+        if parallel.data_parallel_size > 1:
+            check_data_parallel(parallel, arch, check_expert_parallel)
         if parallel.pipeline_parallel_size > 1:
             check_stages(parallel, model_class, arch.num_layers)
         tp_size = parallel.tensor_parallel_size
@@ -340,6 +357,17 @@ class ModelRunner:
         self.finishes_told = max(0, self.finishes_told - 1)
 
     @torch.inference_mode()
+    def follow_data_parallel(self, step: DataParallelStep) -> None:
+        """A following rank's share of a data-parallel step: its own sequences."""
+        self.data_parallel.follow(step)
+
+    def _forward_batch(self, batch: BatchInputs) -> torch.Tensor:
+        """The final hidden states [T, H] of this rank's `batch` (data-parallel attention)."""
+        meta = self.backend.build_metadata(batch.layout, batch.slot_positions,
+                                           self.kv_spec.block_size)
+        return self._run_model(batch, meta)
+
+    @torch.inference_mode()
     def follow_step(self, sched: SchedulerOutput, logits_index: list[int] | None,
                     finish: bool = True) -> None:
         """A following rank's share of rank 0's step: the forward, then its LM head rows.
@@ -384,6 +412,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        if self.data_parallel is not None:
+            return self._execute_data_parallel(sched)
         batch, hidden = self.forward(sched, logits=True)
         if self.keep_hidden:  # a speculator (kiln.speculative) reads this step's hidden states
             self.last_step = StepHidden(batch, hidden)
@@ -392,6 +422,15 @@ class ModelRunner:
             return self._outputs_shortlisted(sched, batch, hidden, plan)
         logits = self.model.compute_logits(hidden[batch.logits_index]).float()
         return self._outputs(sched, batch, logits, plan)
+
+    def _execute_data_parallel(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Every rank runs its own requests; rank 0 samples the gathered logits (no draft
+        trees: speculative decoding is refused with data-parallel attention)."""
+        self.release(sched.finished_ids)
+        rows, logits = self.data_parallel.lead(sched, self.leader)
+        plan = self._plan(sched.scheduled, rows)
+        sampled, logprobs, _ = self._sample(sched.scheduled, plan, logits)
+        return RunnerOutput(sampled, logprobs, self._step_prompt_logprobs(sched, rows, logits))
 
     def _shortlisted(self, sched: SchedulerOutput, plan: SamplePlan) -> bool:
         """Whether the step is a greedy verify step the shortlist serves."""
@@ -421,11 +460,15 @@ class ModelRunner:
         sampled, logprobs, paths = self._sample(sched.scheduled, plan, logits)
         if any(path for path in paths):
             self._compact(sched, batch, paths)
-        prompt_lp = None
-        if any(item.prompt_logprobs for item in sched.scheduled):
-            prompt_lp = [self._prompt_logprobs(item, rows, logits)
-                         for item, rows in zip(sched.scheduled, batch.rows, strict=True)]
-        return RunnerOutput(sampled, logprobs, prompt_lp)
+        return RunnerOutput(sampled, logprobs,
+                            self._step_prompt_logprobs(sched, batch.rows, logits))
+
+    def _step_prompt_logprobs(self, sched: SchedulerOutput, rows: list[LogitsRows],
+                              logits: torch.Tensor) -> list[list[TokenLogprobs] | None] | None:
+        if not any(item.prompt_logprobs for item in sched.scheduled):
+            return None
+        return [self._prompt_logprobs(item, r, logits)
+                for item, r in zip(sched.scheduled, rows, strict=True)]
 
     def _compact(self, sched: SchedulerOutput, batch: BatchInputs,
                  paths: list[list[int] | None]) -> None:

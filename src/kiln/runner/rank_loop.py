@@ -13,6 +13,8 @@ channel, kiln.distributed.step_channel; never pickled), and every rank then does
     activations on (kiln.runner.pipeline); rank 0, the last stage, computes the logits.
   - `FinishStep`: with tensor-parallel stages, the last stage's other ranks run the oldest
     step they began (rank 0 keeps steps in flight and runs each when it finishes it).
+  - `DataParallelStep`: data-parallel attention: each rank's own sequences; every rank runs
+    its own (an idle one only joins the sparse blocks' exchanges) and its LM head rows.
   - `MoveSlots`: move KV between slots (an accepted draft tree's path).
   - `Stop`: the engine is shutting down.
 
@@ -81,6 +83,14 @@ class FinishStep(msgspec.Struct, tag=True, array_like=True):
     """The last stage's other ranks run the oldest step begun (rank 0 is about to)."""
 
 
+class DataParallelStep(msgspec.Struct, tag=True, array_like=True):
+    """Data-parallel attention (kiln.runner.data_parallel): rank r runs `seqs[r]` (maybe
+    none) and the LM head on its rows `logits_index[r]`, padded and gathered to rank 0."""
+
+    seqs: list[list[StepSeq]]
+    logits_index: list[list[int]]
+
+
 class MoveSlots(msgspec.Struct, tag=True, array_like=True):
     src: list[int]
     dst: list[int]
@@ -91,6 +101,7 @@ class Stop(msgspec.Struct, tag=True, array_like=True):
 
 
 RankCommand = AllocateKV | RunStep | FinishStep | MoveSlots | Stop
+RankCommand = AllocateKV | RunStep | DataParallelStep | MoveSlots | Stop
 
 
 class RankLaunch(msgspec.Struct):
@@ -299,7 +310,8 @@ def nodes_report(store: torch.distributed.Store, processes: list[subprocess.Pope
 def with_resolved_all_reduce(parallel: ParallelConfig) -> ParallelConfig:
     """This node decides "auto" for its ranks: every rank of a group must sum the same way
     (the groups that span nodes use gloo whatever it says, kiln.distributed.launch)."""
-    if parallel.tensor_parallel_size == 1 or parallel.all_reduce != "auto":
+    model_group = parallel.tensor_parallel_size * parallel.data_parallel_size
+    if model_group == 1 or parallel.all_reduce != "auto":
         return parallel
     return dataclasses.replace(parallel, all_reduce="shm" if shm_available() else "gloo")
 

@@ -24,6 +24,11 @@ run of correlated neighbours) over all ranks, which balances a step's work. With
 `num_redundant_experts` K the K extra copies go to the hottest experts (highest load per
 copy), and a routed pair (token t, expert e) is computed by copy t mod c_e of e's c_e copies:
 a fixed rule, so the tokens are the same as one rank's whatever the placement.
+
+Under data-parallel attention (`ExpertParallelOptions.data_parallel`) attention is not split
+and each rank holds only its own tokens: the experts then span the data-parallel ranks, the
+block first gathers every rank's tokens (`ExpertShard.gather`) and each rank keeps its own
+rows of the all-reduce (`ExpertShard.reduce`); kiln.distributed.dp_attention.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.distributed.dp_attention import TokenExchange
 from kiln.models.layers.linear import LinearMethod
 from kiln.models.layers.parallel import ColumnParallel, RowParallel, TensorParallel
 
@@ -47,6 +53,10 @@ class ExpertParallelOptions:
     enabled: bool = False  # whole experts on ranks (else every expert split by columns)
     num_redundant_experts: int = 0  # extra copies of the hottest experts (enabled only)
     load_file: str | None = None  # ExpertLoad JSON the placement follows (None: uniform)
+    # data-parallel attention: the experts span the data-parallel ranks, whose tokens this
+    # exchanges around each block (kiln.distributed.dp_attention); None: the tensor-parallel
+    # ranks, which already hold every token
+    data_parallel: TokenExchange | None = None
 
     @classmethod
     def from_parallel(cls, parallel) -> ExpertParallelOptions:
@@ -76,14 +86,15 @@ class Placement:
                 torch.tensor(table, dtype=torch.int64))
 
 
-def check_placement(num_experts: int, num_ranks: int, num_redundant: int) -> None:
+def check_placement(num_experts: int, num_ranks: int, num_redundant: int,
+                    size_name: str = "tensor_parallel_size") -> None:
     """ValueError naming the numbers unless E experts plus K copies fill T ranks evenly (every
     rank the same number of expert slots) with at most one copy of an expert per rank."""
     slots = num_experts + num_redundant
     if slots % num_ranks:
         raise ValueError(f"expert parallelism: {num_experts} experts + {num_redundant} "
                          f"redundant copies = {slots} expert slots, not divisible by "
-                         f"tensor_parallel_size {num_ranks}")
+                         f"{size_name} {num_ranks}")
     most = num_experts * (num_ranks - 1)
     if num_redundant > most:
         raise ValueError(f"num_redundant_experts {num_redundant} is more than the {most} "
@@ -131,6 +142,7 @@ class ExpertShard:
 
     tp: TensorParallel
     placement: Placement | None = None
+    exchange: TokenExchange | None = None  # data-parallel attention (else tokens replicated)
 
     @property
     def expert_parallel(self) -> bool:
@@ -145,18 +157,30 @@ class ExpertShard:
         """The split of a routed expert's columns (None: whole experts, no split)."""
         return None if self.expert_parallel or self.tp.comm is None else self.tp
 
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The tokens the block runs on: under data-parallel attention every rank's (this
+        rank's rows [n_r, H] -> [N, H]), else `x` (already every token)."""
+        return x if self.exchange is None else self.exchange.gather(x)
+
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """The block's one all-reduce of the ranks' partial sums (nothing in one process)."""
+        """The block's one all-reduce of the ranks' partial sums (nothing in one process);
+        under data-parallel attention, this rank's rows of the sum."""
+        if self.exchange is not None:
+            return self.exchange.reduce_own(partial)
         return partial if self.tp.comm is None else self.tp.comm.all_reduce_(partial)
 
 
 def expert_shard(tp: TensorParallel, layer: int, num_experts: int) -> ExpertShard:
     """Layer `layer`'s ExpertShard for rank tp.rank, following the options `tp` carries."""
     options: ExpertParallelOptions | None = getattr(tp, "experts", None)
+    exchange = None if options is None else options.data_parallel
+    if exchange is not None:  # attention whole per rank; the experts over the DP ranks
+        tp = TensorParallel(exchange.comm, options)
     if tp.comm is None or options is None or not options.enabled:
-        return ExpertShard(tp)
+        return ExpertShard(tp, exchange=exchange)
     load = layer_load(options.load_file, layer, num_experts)
-    return ExpertShard(tp, place_experts(load, tp.size, options.num_redundant_experts))
+    return ExpertShard(tp, place_experts(load, tp.size, options.num_redundant_experts),
+                       exchange)
 
 
 class PartialRowParallel(RowParallel):
@@ -181,22 +205,23 @@ def split_expert_methods(cols_tp: TensorParallel | None, width: int, gate_up: Li
             PartialRowParallel(down, cols, cols_tp.comm))
 
 
-def check_expert_parallel(moe, size: int, options: ExpertParallelOptions) -> None:
+def check_expert_parallel(moe, size: int, options: ExpertParallelOptions,
+                          size_name: str = "tensor_parallel_size") -> None:
     """ValueError naming the numbers where a MoE block (`moe`: a kiln.models.layers.moe
     MoeShape) cannot be split over `size` ranks the way `options` asks; called at start,
-    before any rank process starts."""
+    before any rank process starts. `size_name`: the setting that gave `size`."""
     shared = moe.shared_intermediate_size
     if shared and shared % size:
-        raise ValueError(f"tensor_parallel_size {size} does not divide the shared experts' "
+        raise ValueError(f"{size_name} {size} does not divide the shared experts' "
                          f"intermediate size {shared}")
     num_experts = moe.router.num_experts
     if not options.enabled:
         if moe.expert_intermediate_size % size:
-            raise ValueError(f"tensor_parallel_size {size} does not divide the experts' "
+            raise ValueError(f"{size_name} {size} does not divide the experts' "
                              f"intermediate size {moe.expert_intermediate_size} (or place "
                              f"whole experts: enable_expert_parallel)")
         return
-    check_placement(num_experts, size, options.num_redundant_experts)
+    check_placement(num_experts, size, options.num_redundant_experts, size_name)
     if options.load_file is not None:
         read_load_file(options.load_file).check_experts(num_experts)
 

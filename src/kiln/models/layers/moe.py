@@ -465,6 +465,7 @@ class SparseMoeBlock(nn.Module):
         return None if self.shared_name is None else getattr(self, self.shared_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.shard.gather(x)  # data-parallel attention: every rank's tokens (else x)
         routing = self.gate(x)
         owners = self.count(routing.experts)
         y = self.experts(x, routing, owners)
