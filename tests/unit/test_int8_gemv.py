@@ -23,6 +23,7 @@ def test_greedy_decode_matches_the_reference_path(llama_path, monkeypatch, dtype
         return y
 
     monkeypatch.setattr(linear, "int8_gemv_mm", counted)
+    monkeypatch.setenv("KILN_INT8_VNNI", "0")  # int8_gemv's rows (VNNI: test_int8_vnni.py)
     llm = LLM(llama_path, dtype=dtype, quantization="int8", kv_cache_memory=8 << 20,
               num_threads=2, enable_prefix_caching=False)
     # layer by layer, where each linear's kernel choice is visible (tests/engine/

@@ -42,6 +42,11 @@ def build(name: str, weights: list[torch.Tensor], bias: bool = True, **kwargs) -
     return layer
 
 
+def codes(layer: Linear) -> torch.Tensor:
+    """An int8 layer's codes [out, in] (kept VNNI-packed where the CPU has AVX512-VNNI)."""
+    return layer.method.stored(layer, "weight")
+
+
 def reference(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.method.dequantize_weight(layer).to(x.dtype), layer.bias)
 
@@ -138,7 +143,7 @@ def test_bf16_activations(name):
 def test_int8_kernel_matches_reference_in_bf16(tokens):
     layer = build("int8", shard_weights(), bias=False)
     x = torch.randn(tokens, IN).bfloat16()
-    y = int8_weight_only_mm(x, layer.weight, layer.weight_scale)
+    y = int8_weight_only_mm(x, codes(layer), layer.weight_scale)
     assert y is not None and y.dtype == torch.bfloat16
     ref = reference(layer, x.float())
     assert_close_to_scale(y.float(), ref, rel=1e-2)  # bf16 scales and output
@@ -146,9 +151,9 @@ def test_int8_kernel_matches_reference_in_bf16(tokens):
 
 def test_int8_kernel_declines_fp32_and_large_batches():
     layer = build("int8", shard_weights(), bias=False)
-    assert int8_weight_only_mm(torch.randn(1, IN), layer.weight, layer.weight_scale) is None
+    assert int8_weight_only_mm(torch.randn(1, IN), codes(layer), layer.weight_scale) is None
     big = torch.randn(INT8_WEIGHT_ONLY_MAX_TOKENS + 1, IN).bfloat16()
-    assert int8_weight_only_mm(big, layer.weight, layer.weight_scale) is None
+    assert int8_weight_only_mm(big, codes(layer), layer.weight_scale) is None
 
 
 def test_row_tiles_give_the_same_result():

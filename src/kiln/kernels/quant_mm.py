@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels import cpu
+from kiln.kernels.int8_vnni import int8_vnni_available
 from kiln.kernels.isa import GemmPath, gemm_dispatch, kernel_tuning
 
 # When torch's int8 weight-only kernel pays off on CPU (measured on 576x1536 and 1536x576,
@@ -73,6 +74,27 @@ def int8_dequantized_mm(x: torch.Tensor, weight: torch.Tensor,
 # KILN_INT8_GEMV_MAX_TOKENS=0 turns it off (the torch paths then serve).
 INT8_GEMV_MAX_TOKENS = int(os.environ.get("KILN_INT8_GEMV_MAX_TOKENS",
                                           kernel_tuning().int8_gemv_max_tokens))
+
+
+# kiln's int8 kernel on AVX512-VNNI integer dot products (kiln.kernels.int8_vnni: weights
+# packed at load, activations as exact 22-bit fixed point, 3 dot products per 64 weights where
+# int8_gemv spends 12 vector ops): replaces int8_gemv and torch's int8 kernel on CPUs with
+# AVX512-VNNI up to this many tokens; beyond, dequantize + bf16 matmul (2 dot products per 64
+# products per token, plus the dequantization once per call) wins by operation count
+# (docs/decisions/0017). KILN_INT8_VNNI=0 keeps the plain int8 rows and the paths above.
+INT8_VNNI_MAX_TOKENS = int(os.environ.get("KILN_INT8_VNNI_MAX_TOKENS", 32))
+
+
+def int8_vnni_max_tokens() -> int:
+    """The most tokens `int8_vnni_mm` serves: INT8_VNNI_MAX_TOKENS, or on AMX CPUs fewer than
+    the rows from which oneDNN's AMX GEMM takes over (kiln.kernels.isa.gemm_dispatch)."""
+    amx = gemm_dispatch().onednn_min_tokens
+    return INT8_VNNI_MAX_TOKENS if amx is None else min(INT8_VNNI_MAX_TOKENS, amx - 1)
+
+
+def int8_vnni_wanted() -> bool:
+    """Whether weight-only int8 layers pack for kiln's VNNI kernel (read at each finalize)."""
+    return os.environ.get("KILN_INT8_VNNI", "1") != "0" and int8_vnni_available()
 
 
 def int8_gemv_mm(x: torch.Tensor, weight: torch.Tensor,

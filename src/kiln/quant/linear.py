@@ -40,6 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.kernels.int8_vnni import (
+    int8_vnni_mm,
+    int8_vnni_unsupported,
+    pack_int8_vnni,
+    unpack_int8_vnni,
+)
 from kiln.kernels.quant_mm import (
     INT8_GEMV_MAX_TOKENS,
     int4_kernel_group,
@@ -51,6 +57,8 @@ from kiln.kernels.quant_mm import (
     int8_gemv_fp32,
     int8_gemv_mm,
     int8_int8_mm,
+    int8_vnni_max_tokens,
+    int8_vnni_wanted,
     int8_weight_only_mm,
 )
 from kiln.models.layers.linear import Linear, StackTensors, register_linear_method, shard_rows
@@ -249,16 +257,42 @@ class QuantLinearMethod:
 class Int8LinearMethod(QuantLinearMethod):
     """int8 weights: int8 kernels where they are fast, the reference path otherwise.
 
-    Weight-only: kiln's `int8_gemv` up to INT8_GEMV_MAX_TOKENS tokens (any float dtype), then
-    torch's `_weight_int8pack_mm` for bf16/fp16 activations. With `act_quant` (W8A8):
-    per-token symmetric int8 activations and an exact int32 accumulation via `_int_mm`.
+    Weight-only, on CPUs with AVX512-VNNI (`int8_vnni_wanted`): at `finalize` the codes move
+    into kiln's VNNI layout (`int8_vnni_weight`, uint8 [out/16, in/4, 16, 4]; `weight` is left
+    empty, so the weights are held once, and `stored` unpacks them exactly for export,
+    sharding and `dequantize_weight`); kiln's `int8_vnni_mm` serves up to
+    `int8_vnni_max_tokens()` tokens and the fp32 LM head at any count, dequantize + matmul
+    (oneDNN's bf16 GEMM, AMX tiles where the CPU has them) larger steps. Elsewhere (or
+    with KILN_INT8_VNNI=0): kiln's `int8_gemv` up to INT8_GEMV_MAX_TOKENS tokens (any float
+    dtype), then torch's `_weight_int8pack_mm` for bf16/fp16 activations. With `act_quant`
+    (W8A8): per-token symmetric int8 activations and an exact int32 accumulation via `_int_mm`.
     """
+
+    def finalize(self, layer: Linear) -> None:
+        super().finalize(layer)
+        why = int8_vnni_unsupported(layer.out_features, layer.in_features)
+        if self.act_quant or layer.weight.dtype != torch.int8 or not int8_vnni_wanted() or why:
+            if why and not self.act_quant:
+                _log_once(f"int8 layers keep kiln's int8_gemv: {why}")
+            return
+        layer.register_buffer("int8_vnni_weight", pack_int8_vnni(layer.weight))
+        layer.register_buffer("weight", layer.weight.new_empty(0, layer.in_features))
+
+    def use_kernels(self, layer: Linear, kernels: KernelSet) -> None:
+        super().use_kernels(layer, kernels)
+        if self.triton_gemv_rows is not None and hasattr(layer, "int8_vnni_weight"):
+            self._unpack(layer)  # the Triton GEMV reads plain rows
 
     def matmul(self, layer, x2):
         if self.takes_triton_gemv(x2):
             return triton_gemv(layer, x2)
         if self.act_quant:
             return self.w8a8_matmul(layer, x2)
+        if hasattr(layer, "int8_vnni_weight"):
+            if x2.shape[0] > int8_vnni_max_tokens() or x2.device.type != "cpu":
+                return self.dequantized_matmul(layer, x2)
+            return int8_vnni_mm(x2, layer.int8_vnni_weight, layer.weight_scale,
+                                layer.out_features)
         y = int8_gemv_mm(x2, layer.weight, layer.weight_scale)
         if y is None:
             y = int8_weight_only_mm(x2, layer.weight, layer.weight_scale)
@@ -270,7 +304,11 @@ class Int8LinearMethod(QuantLinearMethod):
         every weight each call."""
         if self.act_quant or x.dim() != 2 or self.takes_triton_gemv(x):
             return super().apply_fp32(layer, x)
-        y = int8_gemv_fp32(x, layer.weight, layer.weight_scale)
+        if hasattr(layer, "int8_vnni_weight") and x.device.type == "cpu":
+            y = int8_vnni_mm(x, layer.int8_vnni_weight, layer.weight_scale, layer.out_features,
+                             fp32_out=True)
+        else:
+            y = int8_gemv_fp32(x, layer.weight, layer.weight_scale)
         if y is None:
             return super().apply_fp32(layer, x)
         return y if layer.bias is None else y + layer.bias.float()
@@ -283,12 +321,37 @@ class Int8LinearMethod(QuantLinearMethod):
         y = acc.float() * xq["weight_scale"] * layer.weight_scale.reshape(1, -1)
         return y.to(x2.dtype)
 
+    def stored(self, layer: Linear, name: str) -> torch.Tensor:
+        if name == "weight" and hasattr(layer, "int8_vnni_weight"):
+            return unpack_int8_vnni(layer.int8_vnni_weight, layer.out_features,
+                                    layer.in_features)
+        return super().stored(layer, name)
+
+    def dequantize_rows(self, layer: Linear, rows: slice) -> torch.Tensor:
+        if not hasattr(layer, "int8_vnni_weight"):
+            return super().dequantize_rows(layer, rows)
+        # only the packed blocks holding `rows` are unpacked
+        first, stop = rows.start // 16, -(-rows.stop // 16)
+        codes = unpack_int8_vnni(layer.int8_vnni_weight[first:stop], (stop - first) * 16,
+                                 layer.in_features)[rows.start - first * 16:rows.stop - first * 16]
+        return self.fmt.dequantize({"weight": codes, "weight_scale": layer.weight_scale[rows]})
+
     def stack_tensors(self, layer: Linear) -> StackTensors | None:
-        """Weight-only int8 rows and their scales for the stack's int8 GEMV, which serves
-        decode-sized steps only."""
-        if self.act_quant or layer.bias is not None or layer.weight.dtype != torch.int8:
+        """Weight-only int8 for the stack's int8 kernels: the VNNI-packed codes (4-D, which
+        the stack sends to int8_vnni_mm) or plain rows (int8_gemv), and their scales; each
+        serves its kernel's token counts only."""
+        if self.act_quant or layer.bias is not None:
+            return None
+        if hasattr(layer, "int8_vnni_weight"):
+            return StackTensors(layer.int8_vnni_weight, layer.weight_scale,
+                                max_tokens=int8_vnni_max_tokens())
+        if layer.weight.dtype != torch.int8:
             return None
         return StackTensors(layer.weight, layer.weight_scale, max_tokens=INT8_GEMV_MAX_TOKENS)
+
+    def _unpack(self, layer: Linear) -> None:
+        layer.register_buffer("weight", self.stored(layer, "weight"))
+        delattr(layer, "int8_vnni_weight")
 
 
 class Int4LinearMethod(QuantLinearMethod):

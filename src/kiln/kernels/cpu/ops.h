@@ -52,6 +52,14 @@ bool bf16_gemm_f32_dot_products();
 at::Tensor bf16_vnni_mm(const at::Tensor& x, const at::Tensor& w, int64_t n, bool fp32_out);
 bool bf16_vnni_available();
 
+// gemm_int8_vnni.cpp: float x [M, K] times int8-VNNI-packed W (uint8 w + 128 [N/16, K/4, 16, 4])
+// with per-row scales -> [M, n] in x's dtype or fp32; torch reference
+// x.double() @ (w * scale).double().T (activations as 22-bit fixed point per token)
+at::Tensor int8_vnni_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                        int64_t n, bool fp32_out);
+bool int8_vnni_available();
+int64_t int8_vnni_calls();
+
 // moe.cpp: a MoE layer's routed experts in one call, on bf16 VNNI-packed or int8 weight-only
 // experts stacked by expert;
 // torch reference: kiln.models.layers.moe.FusedExperts's per-expert path

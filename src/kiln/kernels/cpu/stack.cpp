@@ -41,7 +41,10 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
 // oneDNN-prepacked ones otherwise.
 at::Tensor stack_linear(const at::Tensor& x, at::TensorList weights, at::TensorList scales,
                         int64_t l, bool plain_bf16) {
-  if (!scales.empty() && scales[l].numel() > 0) return int8_gemv(x, weights[l], scales[l]);
+  const bool int8 = !scales.empty() && scales[l].numel() > 0;
+  if (int8 && weights[l].dim() == 4)  // int8 VNNI-packed (gemm_int8_vnni.cpp)
+    return int8_vnni_mm(x, weights[l], scales[l], scales[l].numel(), false);
+  if (int8) return int8_gemv(x, weights[l], scales[l]);
   if (weights[l].dim() == 4) return bf16_vnni_mm(x, weights[l], weights[l].size(0) * 16, false);
   if (plain_bf16) return bf16_gemm(x, weights[l]);
   return onednn_linear(x, weights[l]);
