@@ -281,7 +281,7 @@ class Int8LinearMethod(QuantLinearMethod):
     def use_kernels(self, layer: Linear, kernels: KernelSet) -> None:
         super().use_kernels(layer, kernels)
         if self.triton_gemv_rows is not None and hasattr(layer, "int8_vnni_weight"):
-            self._unpack(layer)  # the Triton GEMV reads plain rows
+            self.unpack_rows(layer)  # the Triton GEMV reads plain rows
 
     def matmul(self, layer, x2):
         if self.takes_triton_gemv(x2):
@@ -349,7 +349,8 @@ class Int8LinearMethod(QuantLinearMethod):
             return None
         return StackTensors(layer.weight, layer.weight_scale, max_tokens=INT8_GEMV_MAX_TOKENS)
 
-    def _unpack(self, layer: Linear) -> None:
+    def unpack_rows(self, layer: Linear) -> None:
+        """Back to plain int8 rows (`int8_gemv`'s), for a kernel that reads those."""
         layer.register_buffer("weight", self.stored(layer, "weight"))
         delattr(layer, "int8_vnni_weight")
 

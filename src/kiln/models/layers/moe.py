@@ -282,6 +282,9 @@ class FusedExperts(nn.Module):
         fmt = formats.pop()
         if not fused_moe_available(fmt):
             return
+        for lin in layers:  # the fused kernel reads int8 rows, not int8_vnni_mm's packing
+            if getattr(lin, "int8_vnni_weight", None) is not None:
+                _inner_method(lin).unpack_rows(lin)
         self.stacked = StackedExperts(fmt, **{
             field: _stack_as_views([getattr(e, linear) for e in self], name)
             for field, linear, name in _STACKED_TENSORS[fmt]})
@@ -359,14 +362,23 @@ def _expert_format(layer: Linear) -> ExpertFormat | None:
         return None
     if getattr(layer, "vnni_weight", None) is not None:
         return ExpertFormat.BF16_VNNI
-    inner = layer.method
-    while hasattr(inner, "inner"):  # ColumnParallel / PartialRowParallel: this rank's part
-        inner = inner.inner
+    if getattr(layer, "int8_vnni_weight", None) is not None:
+        return ExpertFormat.INT8  # packed for int8_vnni_mm; stack_weights unpacks its rows
+    inner = _inner_method(layer)
     stack_tensors = getattr(inner, "stack_tensors", None)
     tensors = None if stack_tensors is None else stack_tensors(layer)
     if tensors is not None and tensors.weight.dtype == torch.int8 and tensors.scale.numel():
         return ExpertFormat.INT8
     return None
+
+
+def _inner_method(layer: Linear):
+    """The layer's weight format under any tensor-parallel wrapper (ColumnParallel /
+    PartialRowParallel: this rank's part)."""
+    inner = layer.method
+    while hasattr(inner, "inner"):
+        inner = inner.inner
+    return inner
 
 
 def _stack_as_views(layers: list[Linear], name: str) -> torch.Tensor:
