@@ -251,9 +251,15 @@ def greedy(llm) -> list[list[int]]:
 def test_a_tiny_int8_llama_decodes_the_same_through_the_fused_stack(tiny_ckpt, monkeypatch):
     from kiln.runner import fused_stack
 
-    monkeypatch.setenv("KILN_INT8_VNNI", "0")
-    old = greedy(tiny_int8_llm(tiny_ckpt))
-    monkeypatch.delenv("KILN_INT8_VNNI")
+    # the reference: the same kernel through the layers one call each (the stack's contract is
+    # the same bits as that path)
+    monkeypatch.setenv("KILN_DISABLE_FUSED_STACK", "1")
+    reference = tiny_int8_llm(tiny_ckpt)
+    assert reference.engine.runner.stack is None
+    before = int8_vnni_calls()
+    old = greedy(reference)
+    assert int8_vnni_calls() > before  # the per-layer path ran the kernel too
+    monkeypatch.delenv("KILN_DISABLE_FUSED_STACK")
     llm = tiny_int8_llm(tiny_ckpt)
     if llm.engine.runner.stack is None:
         pytest.skip("this machine's model is not on the fused path")

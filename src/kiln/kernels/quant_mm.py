@@ -79,10 +79,12 @@ INT8_GEMV_MAX_TOKENS = int(os.environ.get("KILN_INT8_GEMV_MAX_TOKENS",
 # kiln's int8 kernel on AVX512-VNNI integer dot products (kiln.kernels.int8_vnni: weights
 # packed at load, activations as exact 22-bit fixed point, 3 dot products per 64 weights where
 # int8_gemv spends 12 vector ops): replaces int8_gemv and torch's int8 kernel on CPUs with
-# AVX512-VNNI up to this many tokens; beyond, dequantize + bf16 matmul (2 dot products per 64
-# products per token, plus the dequantization once per call) wins by operation count
+# AVX512-VNNI up to this many tokens; beyond, dequantize + bf16 matmul, whose dequantization
+# (once per call, ~0.7 ms for a 3072x576 layer on Zen 4) pays off only on long prefill chunks:
+# measured on the default model, 128 halved the 128-token prefill against 32 and left a
+# 1,024-token prompt to the dequantized GEMM, which beat the kernel there 1.06 s to 1.55 s
 # (docs/decisions/0017). KILN_INT8_VNNI=0 keeps the plain int8 rows and the paths above.
-INT8_VNNI_MAX_TOKENS = int(os.environ.get("KILN_INT8_VNNI_MAX_TOKENS", 32))
+INT8_VNNI_MAX_TOKENS = int(os.environ.get("KILN_INT8_VNNI_MAX_TOKENS", 128))
 
 
 def int8_vnni_max_tokens() -> int:
