@@ -85,12 +85,17 @@ class StackWeights:
 
     def serves(self, meta: CpuAttentionMetadata) -> bool:
         """Whether this step can run as one call: every chunk's attention within the C++
-        kernels, no more tokens than the linears' kernels take, and no hooks to honour
-        (speculator heads, scoring and GPTQ attach them)."""
+        kernels, no more tokens than the linears' kernels take, every sparse block's experts
+        on the fused kernel for this step (`FusedExperts.takes_fused`'s size limit, which a
+        caller may change), and no hooks to honour (speculator heads, scoring and GPTQ
+        attach them)."""
         if meta.long is not None and not self.long_ok:
             return False
         if meta.num_tokens > self.max_tokens:
             return False
+        if not all(e.stacked is not None and meta.num_tokens <= e.fused_max_tokens
+                   for e in self.experts):
+            return False  # a sparse block's experts would take the per-expert path
         return not (_global_hooks() or any(self.hook_dicts))
 
     def layer_args(self) -> tuple:
@@ -146,8 +151,6 @@ def stack_weights(model: LlamaForCausalLM, backend: CpuPagedAttention) -> StackW
     embed = model.model.embed_tokens
     qk = [(x.q_norm.weight, x.k_norm.weight) for x in attn] if a.qk_norm else []
     spec = blocks[0].gate.spec if blocks else None
-    max_tokens = min([t.max_tokens for t in stored.values()]
-                     + [b.experts.fused_max_tokens for b in blocks], default=math.inf)
     bypassed = ([model] + layers + attn + dense + linears + blocks
                 + [m for b in blocks for m in (b.gate, b.experts)]
                 + ([n for x in attn for n in (x.q_norm, x.k_norm)] if a.qk_norm else []))
@@ -167,7 +170,7 @@ def stack_weights(model: LlamaForCausalLM, backend: CpuPagedAttention) -> StackW
         plain_bf16=any(t.plain_bf16 for t in stored.values()),
         long_ok=(backend.bf16_prefill and a.head_dim in (64, 128)
                  and embed.weight.dtype == torch.bfloat16),
-        max_tokens=max_tokens,
+        max_tokens=min((t.max_tokens for t in stored.values()), default=math.inf),
         hook_dicts=[d for m in bypassed for d in (m._forward_hooks, m._forward_pre_hooks)],
         all_reduce=all_reduce)
 
