@@ -143,9 +143,9 @@ def stack_weights(model: LlamaForCausalLM, backend: CpuPagedAttention) -> StackW
     weights = {name: [stored[m].weight for m in ms] for name, ms in projections.items()}
     scales = {f"{name}_scale": [stored[m].scale for m in ms] if int8 else []
               for name, ms in projections.items()}
-    for name, field in (("gate_up", "gate_up"), ("down", "down")):  # layer order, experts in
+    for name in ("gate_up", "down"):  # per layer: the dense MLP's, or the stacked experts'
         dense_weights = iter(weights[name])
-        weights[name] = [next(dense_weights) if b is None else getattr(b.experts.stacked, field)
+        weights[name] = [next(dense_weights) if b is None else getattr(b.experts.stacked, name)
                          for b in moe]
     a, norm = model.arch, model.model.norm
     embed = model.model.embed_tokens
