@@ -180,7 +180,8 @@ def one_layer_stack(segment: torch.Tensor, rank: int, timeout_s: float) -> torch
     return torch.ops.kiln.llama_stack(
         w(1, hidden), torch.zeros(1, dtype=torch.int64), [ones],
         [w(3 * heads * head_dim, hidden)], [w(hidden, heads * head_dim)], [ones],
-        [w(2 * inter, hidden)], [w(hidden, inter)], [], [], [], [], ones, table, table,
+        [w(2 * inter, hidden)], [w(hidden, inter)], [], [], [], [], [], [], [None], [None], 0,
+        False, ones, table, table,
         [cache], [cache.clone()], torch.zeros(1, dtype=torch.int64), None, None, None, None,
         None, None, None, None, None, 16, head_dim ** -0.5, 1e-5, heads, heads, head_dim, True,
         segment, rank, timeout_s)

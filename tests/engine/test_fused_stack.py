@@ -147,3 +147,86 @@ def test_draft_trees_fuse_with_the_same_bits(tiny_ckpt, monkeypatch):
     layered = run(layered_llm, monkeypatch, layer_calls, prompts)
     assert layer_calls == [] and fused_calls and trees
     assert fused == layered
+
+
+def test_qwen3_q_k_norms_fuse_with_the_same_bits(tiny_ckpt, monkeypatch):
+    """Qwen3's per-head q/k RMS norms run inside the stack (the per-layer path's kernel),
+    prefill and decode, with the same tokens and logprobs as the per-layer path."""
+    path = tiny_ckpt("qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                     head_dim=64)
+
+    def make():
+        return LLM(path, dtype="bfloat16", kv_cache_memory=16 << 20, num_threads=2)
+
+    fused_llm, layered_llm = make(), make()
+    stack = fused_llm.engine.runner.stack
+    if stack is None:
+        pytest.skip("this machine's model is not on the fast path")
+    assert len(stack.q_norm) == len(stack.k_norm) == 3
+    layered_llm.engine.runner.stack = None
+    fused_calls, layer_calls = [], []
+    fused = run(fused_llm, monkeypatch, fused_calls)
+    layered = run(layered_llm, monkeypatch, layer_calls)
+    assert layer_calls == [] and len(PROMPTS) in fused_calls
+    assert fused == layered
+
+
+def tiny_moe_llm(tmp_path_factory, model_type: str, **overrides):
+    from tests.parity.test_moe_parity import make_tiny_moe
+
+    path = make_tiny_moe(tmp_path_factory.mktemp(model_type), model_type, hidden_size=256,
+                         num_hidden_layers=3, **overrides)
+    make = lambda: LLM(path, dtype="bfloat16", kv_cache_memory=16 << 20,  # noqa: E731
+                       num_threads=2)
+    return make(), make()
+
+
+@pytest.mark.parametrize("model_type, overrides", [
+    ("qwen3_moe", {"head_dim": 64, "mlp_only_layers": [1]}),  # q/k norms, a dense layer
+    ("mixtral", {}),
+])
+def test_sparse_blocks_fuse_on_decode_steps_with_the_same_bits(tmp_path_factory, monkeypatch,
+                                                               model_type, overrides):
+    """Softmax-routed sparse blocks on bf16 VNNI experts run inside the stack (router,
+    counters and the fused expert kernel) on the steps the fused expert kernel serves;
+    longer prefill steps go layer by layer; tokens, logprobs and the routed-pair counters
+    equal the per-layer path's."""
+    fused_llm, layered_llm = tiny_moe_llm(tmp_path_factory, model_type, **overrides)
+    stack = fused_llm.engine.runner.stack
+    if stack is None:
+        pytest.skip("this machine's experts are not on the fused kernel (AVX512-BF16)")
+    sparse = [r is not None for r in stack.router]
+    assert sparse == ([True, False, True] if model_type == "qwen3_moe" else [True] * 3)
+    layered_llm.engine.runner.stack = None
+    fused_calls, layer_calls = [], []
+    fused = run(fused_llm, monkeypatch, fused_calls)
+    layered = run(layered_llm, monkeypatch, layer_calls)
+    assert layer_calls == [] and len(PROMPTS) in fused_calls
+    limit = min(e.fused_max_tokens for e in stack.experts)  # the expert kernel's
+    assert max(fused_calls) <= limit < max(len(p) for p in PROMPTS)
+    assert fused == layered
+
+    def counters(llm):
+        blocks = [layer.sparse_moe() for layer in llm.engine.runner.model.model.layers]
+        return [b.expert_tokens.tolist() for b in blocks if b is not None]
+
+    assert counters(fused_llm) == counters(layered_llm)
+    assert all(e.fused_steps for e in stack.experts)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "glm4_moe"])
+def test_blocks_the_stack_does_not_route_keep_the_layer_path(tmp_path_factory, model_type):
+    """A shared expert (Qwen2-MoE) or DeepSeek's sigmoid router (GLM-4.5) is no block of the
+    stack's: the whole model keeps the per-layer path."""
+    from tests.parity.test_moe_parity import make_tiny_moe
+
+    path = make_tiny_moe(tmp_path_factory.mktemp(model_type), model_type, hidden_size=256,
+                         head_dim=64)
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory=16 << 20, num_threads=1)
+    blocks = [b for b in (layer.sparse_moe() for layer in llm.engine.runner.model.model.layers)
+              if b is not None]
+    if model_type == "qwen2_moe":
+        assert blocks and not any(fused_stack.stack_moe(b) for b in blocks)
+    else:
+        assert blocks == []  # GLM's layers decline the stack themselves (partial rotary)
+    assert llm.engine.runner.stack is None

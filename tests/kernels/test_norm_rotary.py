@@ -46,3 +46,28 @@ def test_rotary_inplace_matches_reference(dtype):
     close(fq.reshape(t, hq, d), rq, dtype)
     close(fk.reshape(t, hkv, d), rk, dtype)
     assert torch.equal(fv, v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rotary_is_the_norm_kernel_then_the_rotary_kernel(dtype):
+    """Qwen3's fused per-head q/k norm and rotation: bit for bit the C++ rms_norm over each q
+    and k head followed by rotary_inplace (v untouched), and close to the torch reference."""
+    from kiln.models.layers.rotary import RotaryEmbedding
+
+    hq, hkv, d, t = 4, 2, 32, 6
+    rot = RotaryEmbedding(d, 64, 10000.0, dtype=dtype)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=dtype) * 3
+    qw, kw = torch.randn(d, dtype=dtype), torch.randn(d, dtype=dtype)
+    pos = torch.tensor([0, 5, 9, 17, 33, 63])
+    two_calls = qkv.clone()
+    q, k, _ = two_calls.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q.copy_(torch.ops.kiln.rms_norm(q.reshape(t, hq, d), qw, 1e-6).reshape(t, hq * d))
+    k.copy_(torch.ops.kiln.rms_norm(k.reshape(t, hkv, d), kw, 1e-6).reshape(t, hkv * d))
+    rot.apply_inplace(two_calls, pos, hq, hkv)
+    fused = qkv.clone()
+    fq, fk, fv = KernelOps().qk_norm_rotary_qkv(fused, pos, rot, qw, kw, 1e-6, hq, hkv)
+    assert torch.equal(fused, two_calls)
+    assert torch.equal(fv.reshape(t, -1), qkv[:, (hq + hkv) * d:])
+    rq, rk, _ = TorchOps().qk_norm_rotary_qkv(qkv.clone(), pos, rot, qw, kw, 1e-6, hq, hkv)
+    close(fq, rq, dtype)
+    close(fk, rk, dtype)

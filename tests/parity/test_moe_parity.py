@@ -152,9 +152,10 @@ def test_logprobs_match_hf_with_prefix_hit_and_chunked_prefill(moe_ckpt, model_t
     assert second_out.outputs[0].token_ids == hf_greedy(hf, second, 8)
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe"])
 def test_bf16_with_cpu_kernels_stays_close_to_hf_fp32(moe_ckpt, model_type):
-    """The bf16 path (oneDNN or kiln's bf16 GEMM per expert, the C++ ops) runs and its
+    """The bf16 path (the fused expert kernel, or oneDNN or kiln's bf16 GEMM per expert, the
+    C++ ops; Mixtral and Qwen3-MoE inside the fused decoder stack where it runs) and its
     logprobs stay within bf16's reach of the fp32 reference."""
     path = moe_ckpt(model_type)
     llm = LLM(path, dtype="bfloat16", kv_cache_memory=8 << 20, num_threads=1, kernels="auto")
@@ -163,8 +164,13 @@ def test_bf16_with_cpu_kernels_stays_close_to_hf_fp32(moe_ckpt, model_type):
                             prompt_logprobs=3)
     out = llm.generate([{"prompt_token_ids": ids}], params)[0]
     assert_logprobs_match(hf_model(path), ids, out, atol=0.25)
-    # where the platform offers the fused decoder stack, the MoE layers decline it
-    assert llm.engine.runner.stack is None
+    # the fused decoder stack runs softmax-routed blocks without a shared expert, on the
+    # fused expert kernel's bf16 experts, where the platform offers the stack
+    runner = llm.engine.runner
+    blocks = [b for b in (layer.sparse_moe() for layer in runner.model.model.layers) if b]
+    stackable = (model_type in ("mixtral", "qwen3_moe") and runner.platform.fused_stack
+                 and all(b.experts.stacked is not None for b in blocks))
+    assert (runner.stack is not None) == stackable
 
 
 def test_int8_experts_load_through_the_quantized_format(moe_ckpt):

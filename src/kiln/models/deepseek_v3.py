@@ -167,6 +167,9 @@ class DeepseekV3DecoderLayer(nn.Module):
         only, so MLA blocks stay on the per-layer path."""
         return None
 
+    def sparse_moe(self) -> None:
+        return None  # (as dense_mlp)
+
     def forward(self, x, residual, positions, rope: RopeTables, kv_cache, meta):
         eps = self.input_layernorm.eps
         if residual is None:

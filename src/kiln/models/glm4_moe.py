@@ -125,6 +125,12 @@ class PartialRotaryOps:
         q, k = self.rotary(q, k, positions, rotary.cos, rotary.sin)
         return q, k, v
 
+    def qk_norm_rotary_qkv(self, qkv, positions, rotary: RotaryEmbedding, q_weight, k_weight,
+                           eps: float, num_heads: int, num_kv_heads: int):
+        """The torch reference's per-head norms, then the partial rotation."""
+        return TorchOps.qk_norm_rotary_qkv(self, qkv, positions, rotary, q_weight, k_weight,
+                                           eps, num_heads, num_kv_heads)
+
 
 class Glm4MoeDecoderLayer(QwenMoeDecoderLayer):
     """Qwen-MoE's block (the sparse block in sparse layers, Llama's MLP in the others); its
@@ -133,6 +139,9 @@ class Glm4MoeDecoderLayer(QwenMoeDecoderLayer):
     def dense_mlp(self) -> None:
         # even a dense layer is off the fused C++ stack: the stack rotates whole heads
         return None
+
+    def sparse_moe(self) -> None:
+        return None  # (and has no sigmoid router)
 
 
 class Glm4MoeForCausalLM(LlamaForCausalLM):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,10 +24,13 @@ from torch import nn
 from kiln.models.layers.attention import AttentionBackend, AttentionMetadata
 from kiln.models.layers.linear import Linear, LinearMethod
 from kiln.models.layers.norm import RMSNorm
-from kiln.models.layers.ops import TorchOps, split_heads
+from kiln.models.layers.ops import TorchOps
 from kiln.models.layers.parallel import SINGLE, TensorParallel
 from kiln.models.layers.pipeline import PipelineStage
 from kiln.models.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from kiln.models.layers.moe import SparseMoeBlock
 
 # HF checkpoint module name -> (fused kiln module, shard index)
 PACKED_MODULES = {
@@ -101,9 +105,9 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata):
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
         if self.qk_norm:  # Qwen3: RMSNorm over each q and k head, before the rotation
-            q, k, v = split_heads(qkv, self.num_heads, self.num_kv_heads)
-            q, k = self.ops.rotary(self.q_norm(q), self.k_norm(k), positions, rotary.cos,
-                                   rotary.sin)
+            q, k, v = self.ops.qk_norm_rotary_qkv(qkv, positions, rotary, self.q_norm.weight,
+                                                  self.k_norm.weight, self.q_norm.eps,
+                                                  self.num_heads, self.num_kv_heads)
         else:
             q, k, v = self.ops.rotary_qkv(qkv, positions, rotary, self.num_heads,
                                           self.num_kv_heads)
@@ -156,6 +160,11 @@ class LlamaDecoderLayer(nn.Module):
         """The block's dense SwiGLU MLP, or None where its feed-forward is something else (a
         mixture of experts): the fused decoder stack runs only the former."""
         return self.mlp
+
+    def sparse_moe(self) -> SparseMoeBlock | None:
+        """The block's sparse mixture-of-experts feed-forward, or None (a dense MLP): the
+        fused decoder stack runs the former where its router and experts allow."""
+        return None
 
     def forward(self, x, residual, positions, rotary, kv_cache, meta):
         norm1, norm2, eps = self.input_layernorm, self.post_attention_layernorm, norm_eps(self)

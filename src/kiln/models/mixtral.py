@@ -64,6 +64,9 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
     def dense_mlp(self) -> None:
         return None
 
+    def sparse_moe(self) -> SparseMoeBlock:
+        return self.block_sparse_moe
+
 
 class MixtralForCausalLM(LlamaForCausalLM):
     tensor_parallel_layers = True  # attention split by heads, experts by expert_shard

@@ -80,6 +80,9 @@ class QwenMoeDecoderLayer(LlamaDecoderLayer):
     def dense_mlp(self) -> LlamaMLP | None:
         return None if self.sparse else self.mlp
 
+    def sparse_moe(self) -> SparseMoeBlock | None:
+        return self.mlp if self.sparse else None
+
 
 class QwenMoeForCausalLM(LlamaForCausalLM):
     tensor_parallel_layers = True  # attention split by heads, experts by expert_shard

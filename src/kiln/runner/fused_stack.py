@@ -1,7 +1,9 @@
 """The whole decoder stack of a Llama-family model as one C++ call (`kiln::llama_stack`).
 
 The same kernels in the same order as the per-layer path (KernelOps, the linears' own kernels,
-CpuPagedAttention), so the same result to the bit, minus one Python round trip per op. The
+CpuPagedAttention; Qwen3's q/k norms through KernelOps' kernel; a softmax-routed sparse block
+through the ATen ops of its Python router and the fused expert kernel, `stack_moe`), so the
+same result to the bit, minus one Python round trip per op. The
 runner builds a model's `StackWeights` once (`stack_weights`: None where some layer is off this
 path) and asks `StackWeights.serves` each step; where it declines, the model's own forward runs
 the layers one call each. tests/engine/test_fused_stack.py holds the two paths to each other.
@@ -26,7 +28,9 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from kiln.distributed.communicator import ShmCommunicator
+from kiln.kernels.moe_experts import ExpertFormat
 from kiln.models.layers.linear import Linear
+from kiln.models.layers.moe import FusedExperts, Scoring, SparseMoeBlock
 from kiln.models.llama import LlamaForCausalLM
 from kiln.runner.attention import CpuAttentionMetadata, CpuPagedAttention
 
@@ -42,13 +46,22 @@ class StackWeights:
     qkv: list[torch.Tensor]
     o: list[torch.Tensor]
     post_norm: list[torch.Tensor]
-    gate_up: list[torch.Tensor]
+    gate_up: list[torch.Tensor]  # a sparse layer's: its stacked experts' (`router`)
     down: list[torch.Tensor]
     # per-row scales of int8 rows, per projection; empty lists where every layer is bf16
     qkv_scale: list[torch.Tensor]
     o_scale: list[torch.Tensor]
     gate_up_scale: list[torch.Tensor]
     down_scale: list[torch.Tensor]
+    # Qwen3's per-head q/k norm weights; empty lists where the model has none
+    q_norm: list[torch.Tensor]
+    k_norm: list[torch.Tensor]
+    # per layer: a sparse block's router weight [E, H] and its routed-pair counters
+    # (`SparseMoeBlock.expert_tokens`), None for a dense MLP
+    router: list[torch.Tensor | None]
+    expert_tokens: list[torch.Tensor | None]
+    top_k: int  # the sparse blocks' (0: none)
+    normalize_top_k: bool
     final_norm: torch.Tensor
     cos32: torch.Tensor  # [max_pos, D] fp32 rotary tables
     sin32: torch.Tensor
@@ -64,25 +77,33 @@ class StackWeights:
     # lifetime: registering or removing a hook edits them in place), so the per-step check
     # is one any() over them
     hook_dicts: list[dict]
+    # the sparse blocks' experts, whose `fused_steps` count the steps the stack serves them
+    experts: list[FusedExperts]
     # tensor parallelism: the group that sums o_proj's and down_proj's outputs inside the
     # stack; None in one process
     all_reduce: ShmCommunicator | None = None
 
     def serves(self, meta: CpuAttentionMetadata) -> bool:
         """Whether this step can run as one call: every chunk's attention within the C++
-        kernels, no more tokens than the linears' kernels take, and no hooks to honour
-        (speculator heads, scoring and GPTQ attach them)."""
+        kernels, no more tokens than the linears' kernels take, every sparse block's experts
+        on the fused kernel for this step (`FusedExperts.takes_fused`'s size limit, which a
+        caller may change), and no hooks to honour (speculator heads, scoring and GPTQ
+        attach them)."""
         if meta.long is not None and not self.long_ok:
             return False
         if meta.num_tokens > self.max_tokens:
             return False
+        if not all(e.stacked is not None and meta.num_tokens <= e.fused_max_tokens
+                   for e in self.experts):
+            return False  # a sparse block's experts would take the per-expert path
         return not (_global_hooks() or any(self.hook_dicts))
 
     def layer_args(self) -> tuple:
         """`kiln::llama_stack`'s arguments from input_norm to sin32, in its order."""
         return (self.input_norm, self.qkv, self.o, self.post_norm, self.gate_up, self.down,
                 self.qkv_scale, self.o_scale, self.gate_up_scale, self.down_scale,
-                self.final_norm, self.cos32, self.sin32)
+                self.q_norm, self.k_norm, self.router, self.expert_tokens, self.top_k,
+                self.normalize_top_k, self.final_norm, self.cos32, self.sin32)
 
 
 def _global_hooks() -> bool:
@@ -90,20 +111,26 @@ def _global_hooks() -> bool:
 
 
 def stack_weights(model: LlamaForCausalLM, backend: CpuPagedAttention) -> StackWeights | None:
-    """The model's `StackWeights`, or None when a layer is off the fused path: q/k norms, a
-    feed-forward other than a dense MLP (a mixture of experts), or a linear whose method has
-    no stack tensors (a bias, torch's matmul, a format other than oneDNN bf16, kiln's
-    bf16-fp32 and weight-only int8)."""
+    """The model's `StackWeights`, or None when a layer is off the fused path: a feed-forward
+    that is neither a dense MLP nor a sparse block the stack routes (`stack_moe`), or a
+    linear whose method has no stack tensors (a bias, torch's matmul, a format other than
+    oneDNN bf16, kiln's bf16-fp32 and weight-only int8)."""
     layers = list(model.model.layers)
+    moe = [layer.sparse_moe() for layer in layers]
+    blocks = [b for b in moe if b is not None]
+    if any(not stack_moe(b) for b in blocks) or len({b.gate.spec for b in blocks}) > 1:
+        return None
     mlp = [layer.dense_mlp() for layer in layers]
-    if None in mlp:
-        return None  # a mixture-of-experts block: the stack has no routing
+    if any(f is None and b is None for f, b in zip(mlp, moe, strict=True)):
+        return None  # a feed-forward the stack does not know
+    dense = [f for f in mlp if f is not None]
     attn = [layer.self_attn for layer in layers]
     projections = {"qkv": [a.qkv_proj for a in attn], "o": [a.o_proj for a in attn],
-                   "gate_up": [f.gate_up_proj for f in mlp], "down": [f.down_proj for f in mlp]}
+                   "gate_up": [f.gate_up_proj for f in dense],
+                   "down": [f.down_proj for f in dense]}
     linears = [m for ms in projections.values() for m in ms]
     stored = {m: m.method.stack_tensors(m) for m in linears}
-    if model.arch.qk_norm or None in stored.values():
+    if None in stored.values():
         return None
     row = {stored[m].all_reduce for m in projections["o"] + projections["down"]}
     column = {stored[m].all_reduce for m in projections["qkv"] + projections["gate_up"]}
@@ -111,13 +138,30 @@ def stack_weights(model: LlamaForCausalLM, backend: CpuPagedAttention) -> StackW
         return None  # the stack would not sum the outputs the layers sum (over gloo: none)
     (all_reduce,) = row
     int8 = any(t.scale.numel() for t in stored.values())
+    if int8 and blocks:
+        return None  # the stack's sparse layers read bf16 experts only
     weights = {name: [stored[m].weight for m in ms] for name, ms in projections.items()}
     scales = {f"{name}_scale": [stored[m].scale for m in ms] if int8 else []
               for name, ms in projections.items()}
+    for name in ("gate_up", "down"):  # per layer: the dense MLP's, or the stacked experts'
+        dense_weights = iter(weights[name])
+        weights[name] = [next(dense_weights) if b is None else getattr(b.experts.stacked, name)
+                         for b in moe]
     a, norm = model.arch, model.model.norm
     embed = model.model.embed_tokens
+    qk = [(x.q_norm.weight, x.k_norm.weight) for x in attn] if a.qk_norm else []
+    spec = blocks[0].gate.spec if blocks else None
+    bypassed = ([model] + layers + attn + dense + linears + blocks
+                + [m for b in blocks for m in (b.gate, b.experts)]
+                + ([n for x in attn for n in (x.q_norm, x.k_norm)] if a.qk_norm else []))
     return StackWeights(
         embed=embed, **weights, **scales,
+        q_norm=[q for q, _ in qk], k_norm=[k for _, k in qk],
+        router=[None if b is None else b.gate.weight for b in moe],
+        expert_tokens=[None if b is None else b.expert_tokens for b in moe],
+        top_k=0 if spec is None else spec.top_k,
+        normalize_top_k=spec is not None and spec.normalize_top_k,
+        experts=[b.experts for b in blocks],
         input_norm=[layer.input_layernorm.weight for layer in layers],
         post_norm=[layer.post_attention_layernorm.weight for layer in layers],
         final_norm=norm.weight, cos32=model.rotary.cos32, sin32=model.rotary.sin32,
@@ -127,9 +171,22 @@ def stack_weights(model: LlamaForCausalLM, backend: CpuPagedAttention) -> StackW
         long_ok=(backend.bf16_prefill and a.head_dim in (64, 128)
                  and embed.weight.dtype == torch.bfloat16),
         max_tokens=min((t.max_tokens for t in stored.values()), default=math.inf),
-        hook_dicts=[d for m in [model] + layers + attn + mlp + linears
-                    for d in (m._forward_hooks, m._forward_pre_hooks)],
+        hook_dicts=[d for m in bypassed for d in (m._forward_hooks, m._forward_pre_hooks)],
         all_reduce=all_reduce)
+
+
+def stack_moe(block: SparseMoeBlock) -> bool:
+    """Whether the stack runs `block` as the per-layer path does: one process (no expert
+    parallelism), a softmax router in the model dtype (Mixtral, Qwen) with no groups, bias or
+    scaling, no shared expert, and every held expert on the fused kernel's bf16 VNNI
+    layout (`FusedExperts.stacked`). Other blocks keep their model on the per-layer path."""
+    spec, stacked = block.gate.spec, block.experts.stacked
+    return (block.shard.tp.size == 1 and block.experts.expert_slot is None
+            and spec.scoring is Scoring.SOFTMAX and not spec.grouped
+            and not spec.selection_bias and spec.scaling_factor == 1.0
+            and not spec.fp32_weight and block.shared_mlp() is None
+            and block.shared_expert_gate is None and stacked is not None
+            and stacked.format is ExpertFormat.BF16_VNNI)
 
 
 def fused_stack(w: StackWeights, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -138,6 +195,8 @@ def fused_stack(w: StackWeights, input_ids: torch.Tensor, positions: torch.Tenso
     `kiln::llama_stack` (KV written), as the model's forward computes them. Tensor
     parallelism: a collective (the embedding's all-reduce, then two per layer inside the
     call); a rank that does not arrive makes it raise RankFailure after the group's timeout."""
+    for experts in w.experts:  # (the count benchmarks/moe.py reports)
+        experts.fused_steps += 1
     args = (w.embed(input_ids), positions, *w.layer_args(), [k for k, _ in kv_caches],
             [v for _, v in kv_caches], *stack_attention_args(meta), w.scale, w.eps,
             w.num_heads, w.num_kv_heads, w.head_dim, w.plain_bf16)

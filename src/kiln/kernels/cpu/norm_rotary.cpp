@@ -1,5 +1,6 @@
-// Fused elementwise ops of a decoder layer: RMS norm (with the residual add), SiLU-and-mul
-// and in-place rotary embedding. Torch reference: kiln/models/layers/ops.py, rotary.py.
+// Fused elementwise ops of a decoder layer: RMS norm (with the residual add), SiLU-and-mul,
+// in-place rotary embedding, and Qwen3's per-head q/k RMS norm fused with the rotation.
+// Torch reference: kiln/models/layers/ops.py, rotary.py.
 
 #include "ops.h"
 
@@ -118,6 +119,58 @@ void rotary_inplace(at::Tensor& qkv, const at::Tensor& positions, const at::Tens
         const float* sr = sp + p[t] * head_dim;
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = f32(v[i]), x2 = f32(v[i + half]);
+          v[i] = static_cast<scalar_t>(x1 * cr[i] - x2 * sr[i]);
+          v[i + half] = static_cast<scalar_t>(x2 * cr[i + half] + x1 * sr[i + half]);
+        }
+      }
+    });
+  });
+}
+
+// In place on qkv [T, (Hq + 2 Hkv) * D]: each q and k head RMS-normed as rms_norm does it
+// (fp32 sum of squares, w * bf16(x * rsqrt(mean + eps)), rounded to T), then rotated from
+// those rounded values as rotary_inplace does (fp32 tables, one rounding): the two kernels
+// one after the other, in one pass over the head. v is untouched.
+void qk_norm_rotary_inplace(at::Tensor& qkv, const at::Tensor& positions,
+                            const at::Tensor& q_weight, const at::Tensor& k_weight, double eps,
+                            const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads,
+                            int64_t num_kv_heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.stride(-1) == 1, "qkv rows must be contiguous");
+  TORCH_CHECK(q_weight.numel() == head_dim && k_weight.numel() == head_dim,
+              "qk_norm_rotary_inplace: norm weights must have head_dim elements");
+  TORCH_CHECK(cos.size(-1) == head_dim, "qk_norm_rotary_inplace: tables must span whole heads");
+  const int64_t tokens = qkv.size(0), row_stride = qkv.stride(0), half = head_dim / 2;
+  const int64_t heads = num_q_heads + num_kv_heads;
+  auto pos = positions.contiguous().to(at::kLong);
+  auto c = cos.contiguous().to(at::kFloat);
+  auto s = sin.contiguous().to(at::kFloat);
+  auto qw = q_weight.contiguous().to(qkv.scalar_type());
+  auto kw = k_weight.contiguous().to(qkv.scalar_type());
+  const int64_t* p = pos.data_ptr<int64_t>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "qk_norm", [&] {
+    scalar_t* base = qkv.data_ptr<scalar_t>();
+    const scalar_t* qwp = qw.data_ptr<scalar_t>();
+    const scalar_t* kwp = kw.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+      std::vector<float> normed(head_dim);
+      for (int64_t job = begin; job < end; ++job) {
+        const int64_t t = job / heads, h = job % heads;
+        scalar_t* v = base + t * row_stride + h * head_dim;
+        const scalar_t* w = h < num_q_heads ? qwp : kwp;
+        float ss = 0.f;
+        for (int64_t i = 0; i < head_dim; ++i) ss += f32(v[i]) * f32(v[i]);
+        const float inv =
+            1.f / std::sqrt(ss / static_cast<float>(head_dim) + static_cast<float>(eps));
+        for (int64_t i = 0; i < head_dim; ++i) {
+          const scalar_t x = static_cast<scalar_t>(f32(v[i]) * inv);
+          normed[i] = f32(static_cast<scalar_t>(f32(w[i]) * f32(x)));
+        }
+        const float* cr = cp + p[t] * head_dim;
+        const float* sr = sp + p[t] * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = normed[i], x2 = normed[i + half];
           v[i] = static_cast<scalar_t>(x1 * cr[i] - x2 * sr[i]);
           v[i + half] = static_cast<scalar_t>(x2 * cr[i + half] + x1 * sr[i + half]);
         }

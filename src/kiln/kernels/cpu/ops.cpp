@@ -13,6 +13,9 @@ TORCH_LIBRARY(kiln, m) {
   m.def("silu_mul(Tensor x) -> Tensor", &kiln::silu_mul);
   m.def("rotary_inplace(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, "
         "int num_q_heads, int num_kv_heads, int head_dim) -> ()", &kiln::rotary_inplace);
+  m.def("qk_norm_rotary_inplace(Tensor(a!) qkv, Tensor positions, Tensor q_weight, "
+        "Tensor k_weight, float eps, Tensor cos, Tensor sin, int num_q_heads, "
+        "int num_kv_heads, int head_dim) -> ()", &kiln::qk_norm_rotary_inplace);
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()", &kiln::write_kv);
   m.def("move_slots(Tensor(a!)[] caches, Tensor src, Tensor dst) -> ()", &kiln::move_slots);
@@ -40,7 +43,8 @@ TORCH_LIBRARY(kiln, m) {
   m.def("llama_stack(Tensor x, Tensor positions, Tensor[] input_norm, Tensor[] qkv_proj, "
         "Tensor[] o_proj, Tensor[] post_norm, Tensor[] gate_up_proj, Tensor[] down_proj, "
         "Tensor[] qkv_scale, Tensor[] o_scale, Tensor[] gate_up_scale, Tensor[] down_scale, "
-        "Tensor final_norm, Tensor cos32, Tensor sin32, Tensor[] k_caches, Tensor[] v_caches, "
+        "Tensor[] q_norm, Tensor[] k_norm, Tensor?[] router, Tensor?[] expert_tokens, "
+        "int top_k, bool normalize_top_k, Tensor final_norm, Tensor cos32, Tensor sin32, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor? short_table, Tensor? short_start, Tensor? short_lens, "
         "Tensor? short_context, Tensor? short_tree, Tensor? long_table, Tensor? long_start, "
         "Tensor? long_lens, Tensor? long_context, int block_size, float scale, float eps, "

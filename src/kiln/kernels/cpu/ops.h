@@ -16,6 +16,10 @@ at::Tensor silu_mul(const at::Tensor& x);
 void rotary_inplace(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                     const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
                     int64_t head_dim);
+void qk_norm_rotary_inplace(at::Tensor& qkv, const at::Tensor& positions,
+                            const at::Tensor& q_weight, const at::Tensor& k_weight, double eps,
+                            const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads,
+                            int64_t num_kv_heads, int64_t head_dim);
 
 // kv_cache.cpp
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
@@ -71,14 +75,19 @@ at::Tensor moe_experts_int8(const at::Tensor& x, const at::Tensor& experts,
                             const at::Tensor& gate_up_scale, const at::Tensor& down,
                             const at::Tensor& down_scale, const std::optional<at::Tensor>& owned);
 
-// stack.cpp; reduce_segment: tensor parallelism's shared-memory all-reduce (allreduce.h)
+// stack.cpp; q_norm/k_norm: empty where the model has no q/k norms; router[l] set: layer l is
+// a sparse block whose stacked experts are gate_up_proj[l], down_proj[l];
+// reduce_segment: tensor parallelism's shared-memory all-reduce (allreduce.h)
 at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
                        at::TensorList input_norm, at::TensorList qkv_proj,
                        at::TensorList o_proj, at::TensorList post_norm,
                        at::TensorList gate_up_proj, at::TensorList down_proj,
                        at::TensorList qkv_scale, at::TensorList o_scale,
                        at::TensorList gate_up_scale, at::TensorList down_scale,
-                       const at::Tensor& final_norm, const at::Tensor& cos32,
+                       at::TensorList q_norm, at::TensorList k_norm,
+                       const c10::List<std::optional<at::Tensor>>& router,
+                       const c10::List<std::optional<at::Tensor>>& expert_tokens,
+                       int64_t top_k, bool normalize_top_k, const at::Tensor& final_norm, const at::Tensor& cos32,
                        const at::Tensor& sin32, at::TensorList k_caches,
                        at::TensorList v_caches, const at::Tensor& slot_mapping,
                        const std::optional<at::Tensor>& short_table,

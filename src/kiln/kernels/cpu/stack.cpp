@@ -5,9 +5,12 @@
 // backend), for every layer, without returning to Python in between: at batch 1 the ~20
 // Python-level calls per layer cost more than the layer's norms, rotary and attention
 // together. Linears are kiln's VNNI-packed bf16, oneDNN bf16, or kiln's int8 GEMV or bf16_gemm
-// (both on decode-sized steps). Used only where the model has no hooks, biases or q/k norms
-// (LlamaForCausalLM decides); its result is bit-identical to the per-layer path, which the
-// tests check.
+// (both on decode-sized steps). Qwen3's per-head q/k RMS norms run through the per-layer
+// path's kernel (qk_norm_rotary_inplace). A layer's feed-forward is a dense SwiGLU MLP or a
+// softmax-routed mixture of bf16 VNNI-packed experts (Qwen3-MoE's sparse block): the router
+// through the ATen ops the Python block calls, in its order, then the fused expert kernel
+// (moe.cpp). Used only where the model has no hooks or biases (kiln.runner.fused_stack
+// decides); its result is bit-identical to the per-layer path, which the tests check.
 //
 // Tensor parallelism: each rank runs the stack on its own heads and columns (its qkv and
 // gate_up rows, its o_proj and down_proj columns) and, given a shared-memory all-reduce
@@ -18,6 +21,9 @@
 // A rank that does not arrive makes the wait raise after its timeout, out of this call.
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/softmax.h>
 
 #include "allreduce.h"
 #include "ops.h"
@@ -61,6 +67,24 @@ at::Tensor reduced(at::Tensor partial, const std::optional<at::Tensor>& segment,
   return partial;
 }
 
+// A softmax-routed sparse block's output for h [T, H], as kiln.models.layers.moe's
+// SparseMoeBlock computes it without a shared expert: logits in the router's dtype, fp32
+// softmax, the top k, renormalized where the family says, the routed pairs counted, the
+// experts through the fused kernel (the same ATen ops in the same order: the same bits).
+at::Tensor sparse_block(const at::Tensor& h, const at::Tensor& router, at::Tensor counts,
+                        const at::Tensor& gate_up, const at::Tensor& down, int64_t top_k,
+                        bool normalize_top_k) {
+  const at::Tensor logits = at::linear(h.to(router.scalar_type()), router);  // [T, E]
+  const at::Tensor scores = at::softmax(logits.to(at::kFloat), -1);
+  const at::Tensor experts = std::get<1>(scores.topk(top_k, -1));
+  at::Tensor weights = scores.gather(1, experts);
+  // (Python's `w / (w.sum(-1, keepdim=True) + 1e-20)`: the scalar wrapped, added in fp32)
+  if (normalize_top_k) weights = weights.div(weights.sum(-1, true).add(1e-20));
+  const at::Tensor flat = experts.flatten();
+  counts.index_add_(0, flat, at::ones_like(flat));
+  return moe_experts_vnni(h, experts, weights, gate_up, down, std::nullopt);
+}
+
 }  // namespace
 
 at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
@@ -69,7 +93,10 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
                        at::TensorList gate_up_proj, at::TensorList down_proj,
                        at::TensorList qkv_scale, at::TensorList o_scale,
                        at::TensorList gate_up_scale, at::TensorList down_scale,
-                       const at::Tensor& final_norm, const at::Tensor& cos32,
+                       at::TensorList q_norm, at::TensorList k_norm,
+                       const c10::List<std::optional<at::Tensor>>& router,
+                       const c10::List<std::optional<at::Tensor>>& expert_tokens,
+                       int64_t top_k, bool normalize_top_k, const at::Tensor& final_norm, const at::Tensor& cos32,
                        const at::Tensor& sin32, at::TensorList k_caches,
                        at::TensorList v_caches, const at::Tensor& slot_mapping,
                        const std::optional<at::Tensor>& short_table,
@@ -100,7 +127,11 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
       h = add_rms_norm(x, residual, input_norm[l], eps);
     }
     at::Tensor qkv = stack_linear(h, qkv_proj, qkv_scale, l, plain_bf16);
-    rotary_inplace(qkv, positions, cos32, sin32, num_heads, num_kv_heads, head_dim);
+    if (q_norm.empty())
+      rotary_inplace(qkv, positions, cos32, sin32, num_heads, num_kv_heads, head_dim);
+    else
+      qk_norm_rotary_inplace(qkv, positions, q_norm[l], k_norm[l], eps, cos32, sin32,
+                             num_heads, num_kv_heads, head_dim);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size)
@@ -117,10 +148,15 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
     const at::Tensor o = reduced(stack_linear(attn, o_proj, o_scale, l, plain_bf16),
                                  reduce_segment, reduce_rank, reduce_timeout_s);
     h = add_rms_norm(o, residual, post_norm[l], eps);
-    x = reduced(stack_linear(silu_mul(stack_linear(h, gate_up_proj, gate_up_scale, l,
-                                                   plain_bf16)),
-                             down_proj, down_scale, l, plain_bf16),
-                reduce_segment, reduce_rank, reduce_timeout_s);
+    const std::optional<at::Tensor> gate = router.get(l);
+    if (gate.has_value())  // gate_up_proj[l], down_proj[l]: the layer's stacked experts
+      x = sparse_block(h, *gate, *expert_tokens.get(l), gate_up_proj[l], down_proj[l], top_k,
+                       normalize_top_k);
+    else
+      x = reduced(stack_linear(silu_mul(stack_linear(h, gate_up_proj, gate_up_scale, l,
+                                                     plain_bf16)),
+                               down_proj, down_scale, l, plain_bf16),
+                  reduce_segment, reduce_rank, reduce_timeout_s);
   }
   return add_rms_norm(x, residual, final_norm, eps);
 }

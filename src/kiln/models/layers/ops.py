@@ -49,6 +49,19 @@ class TorchOps:
         q, k = self.rotary(q, k, positions, rotary.cos, rotary.sin)
         return q, k, v
 
+    def qk_norm_rotary_qkv(self, qkv: torch.Tensor, positions: torch.Tensor,
+                           rotary: RotaryEmbedding, q_weight: torch.Tensor,
+                           k_weight: torch.Tensor, eps: float, num_heads: int,
+                           num_kv_heads: int) -> tuple[torch.Tensor, ...]:
+        """Qwen3's attention input: q [T, Hq, D], k and v [T, Hkv, D] of the fused
+        projection's output, q and k each RMS-normed per head (HF's q_norm / k_norm, the torch
+        reference norm) and then rotated (`self.rotary`, tables in the activation dtype)."""
+        q, k, v = split_heads(qkv, num_heads, num_kv_heads)
+        q, k = self.rotary(TorchOps.rms_norm(self, q, q_weight, eps),
+                           TorchOps.rms_norm(self, k, k_weight, eps), positions, rotary.cos,
+                           rotary.sin)
+        return q, k, v
+
 
 def split_heads(qkv: torch.Tensor, num_heads: int,
                 num_kv_heads: int) -> tuple[torch.Tensor, ...]:
@@ -82,6 +95,16 @@ class KernelOps(TorchOps):
     def rotary_qkv(self, qkv, positions, rotary, num_heads, num_kv_heads):
         """Rotated in place inside qkv by one C++ call (fp32 tables, one rounding)."""
         rotary.apply_inplace(qkv, positions, num_heads, num_kv_heads)
+        return split_heads(qkv, num_heads, num_kv_heads)
+
+    def qk_norm_rotary_qkv(self, qkv, positions, rotary, q_weight, k_weight, eps, num_heads,
+                           num_kv_heads):
+        """Normed and rotated in place inside qkv by one C++ call: the norm as `rms_norm`
+        rounds it, the rotation as `rotary_qkv` (fp32 tables, one rounding); the fused
+        decoder stack calls the same kernel."""
+        torch.ops.kiln.qk_norm_rotary_inplace(qkv, positions, q_weight, k_weight, eps,
+                                              rotary.cos32, rotary.sin32, num_heads,
+                                              num_kv_heads, rotary.cos32.shape[-1])
         return split_heads(qkv, num_heads, num_kv_heads)
 
 

@@ -395,11 +395,13 @@ class HeadProposer:
         return x, normed
 
     def _stack_tensors(self, w: dict) -> tuple:
-        """`kiln::llama_stack`'s arguments from input_norm to sin32 for one weight set."""
+        """`kiln::llama_stack`'s arguments from input_norm to sin32 for one weight set (no
+        q/k norms; a dense MLP, so no router)."""
         layer = self.head.layer
         scales = [[w[name][1]] if w[name][1].numel() else [] for name in w]
         return ([layer.input_layernorm], [w["qkv"][0]], [w["o"][0]],
                 [layer.post_attention_layernorm], [w["gate_up"][0]], [w["down"][0]], *scales,
+                [], [], [None], [None], 0, False,
                 self.head.norm, self.rotary.cos32, self.rotary.sin32)
 
     def _stack_set(self, rows: int, meta) -> tuple | None:
