@@ -51,9 +51,9 @@ template <typename T>
 Digits to_digits(const T* x, int64_t M, int64_t K, int64_t P) {
   Digits d{std::vector<int32_t>(M * P * 3), std::vector<double>(M), std::vector<int64_t>(M)};
   for (int64_t m = 0; m < M; ++m) {
-    const int8_vnni::TokenSlot at = int8_vnni::token_slot(m, M, P);
-    int8_vnni::token_digits(x + m * K, K, P, d.quads.data() + at.base, at.stride, d.scale[m],
-                            d.offset[m]);
+    const int8_vnni::TokenSlot where = int8_vnni::token_slot(m, M, P);
+    int8_vnni::token_digits(x + m * K, K, P, d.quads.data() + where.base, where.stride,
+                            d.scale[m], d.offset[m]);
   }
   return d;
 }

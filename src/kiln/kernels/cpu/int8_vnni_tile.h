@@ -186,18 +186,13 @@ inline void token_tile(const int32_t* x, const int64_t* offset, const double* xs
                        int64_t ldy, int64_t rows_left) {
   constexpr int NV = MT <= 2 ? 4 : (MT <= 4 ? 2 : 1);
   int64_t i = 0;
-  auto at = [&](int64_t b) {  // block b of the run: its weights, scales, outputs, rows
-    return std::make_tuple(w + b * P * 64, scale + b * kBlock, y + b * kBlock,
-                           rows_left - b * kBlock);
-  };
-  for (; i + NV <= count; i += NV) {
-    auto [wb, sb, yb, left] = at(i);
-    tile<MT, NV, Out>(x, offset, xs, P, wb, sb, yb, ldy, left);
-  }
-  for (; i < count; ++i) {
-    auto [wb, sb, yb, left] = at(i);
-    tile<MT, 1, Out>(x, offset, xs, P, wb, sb, yb, ldy, left);
-  }
+  // block i of the run: its weights, scales, outputs and the rows from it to the end
+  for (; i + NV <= count; i += NV)
+    tile<MT, NV, Out>(x, offset, xs, P, w + i * P * 64, scale + i * kBlock, y + i * kBlock, ldy,
+                      rows_left - i * kBlock);
+  for (; i < count; ++i)
+    tile<MT, 1, Out>(x, offset, xs, P, w + i * P * 64, scale + i * kBlock, y + i * kBlock, ldy,
+                     rows_left - i * kBlock);
 }
 
 // M tokens (digits from `quads`, laid out in tiles from token 0: see the top of this file;

@@ -174,8 +174,8 @@ struct DigitRows {
     for (size_t a = 0; a < g.expert.size(); ++a) {
       const int64_t first = g.start[a], count = g.start[a + 1] - first;
       for (int64_t m = 0; m < count; ++m) {
-        int8_vnni::TokenSlot at = int8_vnni::token_slot(m, count, P);
-        slot[first + m] = {3 * P * first + at.base, at.stride};
+        const int8_vnni::TokenSlot where = int8_vnni::token_slot(m, count, P);
+        slot[first + m] = {3 * P * first + where.base, where.stride};
       }
     }
   }
