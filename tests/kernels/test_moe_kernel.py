@@ -1,27 +1,37 @@
-"""moe.cpp: a MoE layer's routed experts in one call (`moe_experts_vnni`) against the
-per-expert path of FusedExperts (the same VNNI linears one expert at a time, then torch's
-combine) and against an fp64 reference; the stacked weights are views (held once); the
-dispatch between the two paths; expert parallelism's owned pairs; and a tiny Qwen3-MoE's
-greedy tokens with the kernel on and off.
+"""moe.cpp: a MoE layer's routed experts in one call (`moe_experts_vnni` on bf16 experts,
+`moe_experts_int8_vnni` on int8 experts packed for AVX512-VNNI, `moe_experts_int8` on int8
+rows) against the per-expert path of FusedExperts (the same linears one expert at a time,
+then torch's combine) and against an fp64 reference; the stacked weights are views (held
+once); the dispatch between the two paths; expert parallelism's owned pairs; and a tiny
+Qwen3-MoE's greedy tokens with the kernel on and off.
 
 Tolerances: the kernel rounds where the per-expert path rounds (gate/up, silu * up and down
-to bf16 from fp32 sums of the same register tiles) and sums the k weighted expert outputs in
-fp32, in an order torch's bmm may not share: against that path an output differs by at most
-one bf16 step (2^-8 relative), and almost all are equal. Against fp64 math the bf16 roundings
-of the intermediates dominate (relative 2^-8 each, three in a row): 3e-2 of the output scale.
+to bf16 from the sums of the same register tiles: fp32 for bf16 and int8 rows, exact integers
+for packed int8) and sums the k weighted expert outputs in fp32, in an order torch's bmm may
+not share: against that path an output differs by at most one bf16 step (2^-8 relative) plus,
+where the terms cancel, the fp32 reordering error ((k - 1) 2^-24 of the terms' magnitude per
+order: `reorder_slack`), and almost all are equal; with one expert per token (one term) they
+are equal. Against fp64 math
+the bf16 roundings of the intermediates dominate (relative 2^-8 each, three in a row): 3e-2
+of the output scale.
 """
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
 import torch
 
+from kiln.kernels.int8_vnni import pack_int8_vnni
 from kiln.kernels.moe_experts import (
     ExpertFormat,
     fused_max_tokens,
     fused_moe_available,
     moe_experts,
 )
+from kiln.kernels.quant_mm import int8_vnni_max_tokens, int8_vnni_wanted
 from kiln.models.layers.expert_parallel import ExpertShard, place_experts
 from kiln.models.layers.linear import get_linear_method
 from kiln.models.layers.moe import FusedExperts, Routing
@@ -34,6 +44,14 @@ needs_fused = pytest.mark.skipif(not fused_moe_available(),
                                         "build): the per-expert path serves bf16 MoE layers")
 needs_fused_int8 = pytest.mark.skipif(not fused_moe_available(ExpertFormat.INT8),
                                       reason="kiln's kernels did not build")
+# int8 layers pack for int8_vnni_mm (and their experts stack packed) here
+PACKED_INT8 = fused_moe_available(ExpertFormat.INT8_VNNI) and int8_vnni_wanted()
+needs_fused_int8_vnni = pytest.mark.skipif(
+    not PACKED_INT8, reason="no AVX512-VNNI on this CPU (or kiln's kernels did not build, or "
+                            "KILN_INT8_VNNI=0): int8 experts stack as rows")
+# make_experts' formats: a linear format name, or "int8-rows" (int8 with KILN_INT8_VNNI=0:
+# the rows int8_gemv reads, not int8_vnni_mm's packing)
+INT8_ROWS = "int8-rows"
 
 
 class TwoRanks:
@@ -47,6 +65,9 @@ def make_experts(hidden: int, width: int, num_experts: int, top_k: int, fmt: str
                  shard: ExpertShard | None = None, seed: int = 0) -> FusedExperts:
     """Experts with random bf16 weights (quantized on load for int8), loaded and finalized as
     the loader does."""
+    if fmt == INT8_ROWS:
+        with mock.patch.dict(os.environ, {"KILN_INT8_VNNI": "0"}):  # read at finalize
+            return make_experts(hidden, width, num_experts, top_k, "int8", shard, seed)
     import kiln.models.layers.vnni  # noqa: F401  (registers dense-vnni)
     import kiln.quant  # noqa: F401  (registers int8)
 
@@ -89,11 +110,28 @@ def per_expert(experts: FusedExperts, x: torch.Tensor, routing: Routing,
         experts.fused_max_tokens = saved
 
 
-def assert_within_one_bf16_step(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_within_one_bf16_step(got: torch.Tensor, want: torch.Tensor,
+                                slack: torch.Tensor | None = None) -> None:
+    """`slack`: what reordering the fp32 weighted sum may add where its terms cancel
+    (`reorder_slack`), before the one bf16 step of the result."""
     assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
     step = want.float().abs().clamp_min(1e-30) * 2.0 ** -7  # one bf16 step is <= 2^-7 |v|
+    if slack is not None:
+        step = step + slack
     assert ((got.float() - want.float()).abs() <= step).all()
     assert (got == want).float().mean() > 0.9
+
+
+def reorder_slack(experts: FusedExperts, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """How far two fp32 sums of the k weighted expert outputs in different orders may lie
+    apart: each within (k - 1) 2^-24 sum_j w_j |d_j| of the exact sum. Tiny outputs whose
+    terms cancel can thus differ by more than one bf16 step of their own."""
+    k = routing.experts.shape[1]
+    terms = torch.zeros(x.shape)
+    for j in range(k):  # d_j through the per-expert path with weight 1 (exact)
+        one = Routing(torch.ones(x.shape[0], 1), routing.experts[:, j:j + 1])
+        terms += routing.weights[:, j:j + 1] * per_expert(experts, x, one).float().abs()
+    return 2 * (k - 1) * 2.0 ** -24 * terms * 1.01
 
 
 def fp64_reference(experts: FusedExperts, x: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -123,7 +161,8 @@ def test_kernel_matches_the_per_expert_path(tokens, hidden, width, num_experts, 
     x = torch.randn(tokens, hidden).to(torch.bfloat16)
     routing = random_routing(tokens, num_experts, top_k)
     got = moe_experts(x, routing.experts, routing.weights, experts.stacked)
-    assert_within_one_bf16_step(got, per_expert(experts, x, routing))
+    assert_within_one_bf16_step(got, per_expert(experts, x, routing),
+                                reorder_slack(experts, x, routing))
     if tokens == 17:
         exact = fp64_reference(experts, x, routing)
         torch.testing.assert_close(got.double(), exact, rtol=0, atol=3e-2 * exact.abs().max())
@@ -131,10 +170,11 @@ def test_kernel_matches_the_per_expert_path(tokens, hidden, width, num_experts, 
 
 @needs_cpu_kernels
 @needs_fused
-@pytest.mark.parametrize("fmt", ["dense-vnni", "int8"])
+@pytest.mark.parametrize("fmt", ["dense-vnni", "int8", INT8_ROWS])
 def test_outputs_do_not_depend_on_threads_or_the_batch(fmt):
     """Each output is summed by one thread in a fixed order: the same bits on 1 or 3 threads,
-    and a token's bits alone or in its batch."""
+    and a token's bits alone or in its batch (int8 packed: each row's digits and integer
+    sums are its own, whatever tile it shares)."""
     experts = make_experts(320, 64, 16, 8, fmt=fmt)
     x = torch.randn(6, 320).to(torch.bfloat16)
     routing = random_routing(6, 16, 8)
@@ -229,13 +269,41 @@ def test_bad_expert_ids_fail_with_the_numbers():
 
 
 @needs_cpu_kernels
+@needs_fused_int8_vnni
+@pytest.mark.parametrize("tokens", [1, 3, 17, 40])
+@pytest.mark.parametrize("hidden,width,num_experts,top_k",
+                         [(64, 48, 8, 2), (320, 64, 16, 8), (192, 40, 4, 3)])
+def test_packed_int8_kernel_matches_the_per_expert_path(tokens, hidden, width, num_experts,
+                                                        top_k):
+    """Weight-only int8 experts on AVX512-VNNI stay packed (no rows): the kernel's rows are
+    int8_vnni_mm's, which the per-expert path runs up to 32 rows an expert (40 tokens over 4
+    experts give some more: dequantize + bf16 GEMM there, other roundings). (192, 40): an
+    expert width of 40, so gate/up's 80 rows are a panel of 4 blocks and one of 1."""
+    experts = make_experts(hidden, width, num_experts, top_k, fmt="int8")
+    assert experts.stacked.format is ExpertFormat.INT8_VNNI
+    assert experts.stacked.gate_up.dtype == torch.uint8
+    x = torch.randn(tokens, hidden).to(torch.bfloat16)
+    routing = random_routing(tokens, num_experts, top_k)
+    got = moe_experts(x, routing.experts, routing.weights, experts.stacked)
+    want = per_expert(experts, x, routing)
+    rows = torch.bincount(routing.experts.flatten(), minlength=num_experts).max()
+    if rows <= int8_vnni_max_tokens():
+        assert_within_one_bf16_step(got, want, reorder_slack(experts, x, routing))
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
+                                   atol=2e-2 * want.float().abs().max().item())
+
+
+@needs_cpu_kernels
 @needs_fused_int8
 @pytest.mark.parametrize("tokens", [1, 3, 17])
 @pytest.mark.parametrize("hidden,width,num_experts,top_k", [(64, 48, 8, 2), (320, 64, 16, 8)])
-def test_int8_kernel_matches_the_per_expert_path(tokens, hidden, width, num_experts, top_k):
-    """Weight-only int8 experts: up to 8 rows an expert the per-expert path runs kiln's
-    int8_gemv, the same row sums; beyond, torch's int8 kernel, whose sums may round apart."""
-    experts = make_experts(hidden, width, num_experts, top_k, fmt="int8")
+def test_int8_rows_kernel_matches_the_per_expert_path(tokens, hidden, width, num_experts,
+                                                      top_k):
+    """Weight-only int8 experts as rows (CPUs without AVX512-VNNI, KILN_INT8_VNNI=0): up to
+    8 rows an expert the per-expert path runs kiln's int8_gemv, the same row sums; beyond,
+    torch's int8 kernel, whose sums may round apart."""
+    experts = make_experts(hidden, width, num_experts, top_k, fmt=INT8_ROWS)
     assert experts.stacked.format is ExpertFormat.INT8
     assert experts.stacked.gate_up.dtype == torch.int8
     x = torch.randn(tokens, hidden).to(torch.bfloat16)
@@ -250,9 +318,56 @@ def test_int8_kernel_matches_the_per_expert_path(tokens, hidden, width, num_expe
 
 
 @needs_cpu_kernels
-@needs_fused_int8
-def test_int8_stacked_weights_are_the_experts_own():
+@needs_fused
+@needs_fused_int8_vnni
+@pytest.mark.parametrize("fmt", ["dense-vnni", "int8"])
+@pytest.mark.parametrize("tokens", [1, 6, 21])
+def test_one_expert_per_token_gives_the_per_expert_bits(fmt, tokens):
+    """With top-1 routing the weighted sum has one term, so nothing is left to reorder: the
+    kernel's bf16 outputs are the per-expert path's bit for bit (bf16: the same fp32 register
+    tiles; int8: the same exact integer sums as int8_vnni_mm, scaled and rounded alike)."""
+    experts = make_experts(256, 96, 4, 1, fmt=fmt)
+    x = (torch.randn(tokens, 256) * torch.logspace(-2, 2, 256)).to(torch.bfloat16)
+    routing = random_routing(tokens, 4, 1)
+    got = moe_experts(x, routing.experts, routing.weights, experts.stacked)
+    assert torch.equal(got, per_expert(experts, x, routing))
+
+
+@needs_cpu_kernels
+@needs_fused_int8_vnni
+def test_packed_int8_stacked_weights_are_the_experts_own():
+    """The packed experts are stacked as packed (held once, no unpacking); each expert's
+    linear reads its slot and still gives its plain rows back for export."""
     experts = make_experts(64, 48, 8, 2, fmt="int8")
+    stacked = experts.stacked
+    assert stacked.gate_up.shape == (8, 6, 16, 16, 4) and stacked.down.shape == (8, 4, 12, 16, 4)
+    assert stacked.down_scale.shape == (8, 64, 1)
+    for slot, mlp in enumerate(experts):
+        lin = mlp.gate_up_proj
+        assert lin.int8_vnni_weight.data_ptr() == stacked.gate_up[slot].data_ptr()
+        assert mlp.down_proj.int8_vnni_weight.data_ptr() == stacked.down[slot].data_ptr()
+        assert mlp.down_proj.weight_scale.data_ptr() == stacked.down_scale[slot].data_ptr()
+        assert lin.weight.numel() == 0  # no plain copy beside the packed one
+        assert torch.equal(pack_int8_vnni(lin.method.stored(lin, "weight")),
+                           stacked.gate_up[slot])
+
+
+@needs_cpu_kernels
+@needs_fused_int8_vnni
+def test_packed_int8_shapes_fail_with_the_numbers():
+    experts = make_experts(64, 48, 8, 2, fmt="int8")
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [2, 9]])
+    with pytest.raises(RuntimeError, match="expert id 9 of token 1 is outside the 8"):
+        moe_experts(x, ids, torch.ones(2, 2), experts.stacked)
+    with pytest.raises(RuntimeError, match="x has 32 features, gate_up packs 64"):
+        moe_experts(x[:, :32], ids[:, :1], torch.ones(2, 1), experts.stacked)
+
+
+@needs_cpu_kernels
+@needs_fused_int8
+def test_int8_rows_stacked_weights_are_the_experts_own():
+    experts = make_experts(64, 48, 8, 2, fmt=INT8_ROWS)
     stacked = experts.stacked
     assert stacked.gate_up.shape == (8, 96, 64) and stacked.down_scale.shape == (8, 64, 1)
     for slot, mlp in enumerate(experts):
@@ -296,11 +411,13 @@ def test_a_tiny_qwen3_moe_decodes_the_same_tokens_with_the_kernel_on_and_off(
     llm = LLM(make_tiny_moe(tmp_path / "qwen3_moe", "qwen3_moe"), dtype="bfloat16",
               max_model_len=256, kv_cache_memory=1 << 24, quantization=quantization)
     blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts)]
-    fmt = ExpertFormat.INT8 if quantization else ExpertFormat.BF16_VNNI
+    fmt = ExpertFormat.BF16_VNNI if not quantization else \
+        ExpertFormat.INT8_VNNI if PACKED_INT8 else ExpertFormat.INT8
     assert blocks and all(b.stacked is not None and b.stacked.format is fmt for b in blocks)
-    # int8: at most 8 tokens a step, so no expert gets more than 8 rows, past which the
-    # per-expert path leaves int8_gemv's sums for torch's int8 kernel (other roundings)
-    lengths = (2, 3, 3) if quantization else (3, 9, 14)
+    # int8 rows: at most 8 tokens a step, so no expert gets more than 8 rows, past which the
+    # per-expert path leaves int8_gemv's sums for torch's int8 kernel (other roundings);
+    # packed int8: int8_vnni_mm's sums up to 32 rows
+    lengths = (2, 3, 3) if quantization and not PACKED_INT8 else (3, 9, 14)
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in lengths]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

@@ -7,8 +7,12 @@
 // format kiln has a decode kernel for, stacked by expert so the experts a step routes to are
 // E-strided runs of one tensor and the rest are never read:
 //   - bf16, VNNI-packed (gemm_vnni.cpp): [E, 2I/16, H/2, 16, 2] and [E, H/16, I/2, 16, 2];
-//   - int8 weight-only rows (gemm.cpp's int8_gemv): [E, 2I, H] and [E, H, I], with one fp32
-//     scale per output row, [E, 2I] and [E, H].
+//   - int8 weight-only, int8-VNNI-packed (gemm_int8_vnni.cpp): uint8 w + 128
+//     [E, 2I/16, H/4, 16, 4] and [E, H/16, I/4, 16, 4], with one fp32 scale per output row,
+//     [E, 2I] and [E, H]; the rows' activations become three base-256 digits each (phases 0
+//     and 2) and every projection is integer dot products (int8_vnni_tile.h);
+//   - int8 weight-only rows (gemm.cpp's int8_gemv; CPUs without AVX512-VNNI, or
+//     KILN_INT8_VNNI=0): [E, 2I, H] and [E, H, I], with their per-row scales.
 //
 // One parallel region per call, in phases split by barriers: (0) x gathered into expert
 // order, (1) the gate/up panels of every active expert, (2) silu(gate) * up per row, (3) the
@@ -22,13 +26,14 @@
 //
 // Torch reference: the per-expert path of kiln.models.layers.moe.FusedExperts (each expert's
 // own linears, kiln's silu_mul, torch's weighted sum). Every rounding is that path's:
-// gate/up and down outputs rounded to bf16 from fp32 sums of the same register tiles
-// (vnni_tile.h, int8_rows.h), silu * up computed as silu_mul computes it, the weighted sum in
-// fp32, rounded once to bf16. Only the order of the k terms of that sum may differ from
-// torch's bmm.
+// gate/up and down outputs rounded to bf16 from the sums of the same register tiles
+// (vnni_tile.h, int8_vnni_tile.h, int8_rows.h), silu * up computed as silu_mul computes it,
+// the weighted sum in fp32, rounded once to bf16. Only the order of the k terms of that sum
+// may differ from torch's bmm.
 #include <omp.h>
 
 #include "int8_rows.h"
+#include "int8_vnni_tile.h"
 #include "ops.h"
 #include "vnni_tile.h"
 
@@ -123,18 +128,96 @@ std::pair<int64_t, int64_t> share(int64_t items, int id, int n) {
   return {items * id / n, items * (id + 1) / n};
 }
 
+template <typename In>
+void gather_row(const at::BFloat16* src, int64_t n, In* dst) {
+  if constexpr (std::is_same_v<In, at::BFloat16>) {
+    std::memcpy(dst, src, n * sizeof(at::BFloat16));
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = f32(src[i]);
+  }
+}
+
+// The grouped rows' activations [R, K] as a projection reads them: written row by row through
+// `row(r)` (x gathered, or silu * up), then `done(r)` by the same thread. Plain: the rows
+// themselves, in bf16 or widened to fp32.
+template <typename T>
+struct PlainRows {
+  at::Tensor data;
+  int64_t K;
+
+  PlainRows(const ExpertRows& g, int64_t K, const at::TensorOptions& opts)
+      : data(at::empty({g.rows(), K}, opts.dtype(std::is_same_v<T, float> ? at::kFloat
+                                                                           : at::kBFloat16))),
+        K(K) {}
+  T* row(int64_t r) { return static_cast<T*>(data.data_ptr()) + r * K; }
+  const T* rows() const { return static_cast<const T*>(data.data_ptr()); }
+  void done(int64_t) {}
+};
+
+#if KILN_INT8_VNNI
+// The rows as int8_vnni digits (int8_vnni_tile.h): each active expert's run of rows is one
+// matmul's tokens, in tiles of 8 from the run's first row, so its digits lie as
+// int8_vnni_mm's for those rows alone (row r's quads from 3 P r on); per row the scale and
+// offset correction. Rows are staged in bf16 and split by `done`.
+struct DigitRows {
+  at::Tensor staged;
+  std::vector<int32_t> quads;
+  std::vector<double> scale;
+  std::vector<int64_t> offset;
+  std::vector<int8_vnni::TokenSlot> slot;
+  int64_t K, P;
+
+  DigitRows(const ExpertRows& g, int64_t K, const at::TensorOptions& opts)
+      : staged(at::empty({g.rows(), K}, opts.dtype(at::kBFloat16))),
+        quads(g.rows() * 3 * ((K + 3) / 4)), scale(g.rows()), offset(g.rows()),
+        slot(g.rows()), K(K), P((K + 3) / 4) {
+    for (size_t a = 0; a < g.expert.size(); ++a) {
+      const int64_t first = g.start[a], count = g.start[a + 1] - first;
+      for (int64_t m = 0; m < count; ++m) {
+        const int8_vnni::TokenSlot where = int8_vnni::token_slot(m, count, P);
+        slot[first + m] = {3 * P * first + where.base, where.stride};
+      }
+    }
+  }
+  at::BFloat16* row(int64_t r) { return staged.data_ptr<at::BFloat16>() + r * K; }
+  void done(int64_t r) {
+    int8_vnni::token_digits(row(r), K, P, quads.data() + slot[r].base, slot[r].stride,
+                            scale[r], offset[r]);
+  }
+};
+
+// int8 experts, int8-VNNI-packed and stacked: uint8 [E, N/16, K/4, 16, 4], scales [E, N].
+// An expert's rows run as int8_vnni_mm runs them (int8_vnni::panel), panels of 4 blocks.
+struct Int8VnniProjection {
+  using Rows = DigitRows;
+  const uint8_t* w;
+  const float* scale;
+  int64_t N, K;
+
+  int panel_blocks(int64_t) const { return 4; }
+
+  void run(const Panel& p, const Rows& x, at::BFloat16* y) const {
+    const int64_t P = x.P, n0 = p.block * kBlock;
+    int8_vnni::panel<at::BFloat16>(
+        x.quads.data() + 3 * P * p.row, x.offset.data() + p.row, x.scale.data() + p.row,
+        p.rows, P, w + (p.expert * (N / kBlock) + p.block) * P * 64, p.nv,
+        scale + p.expert * N + n0, y + p.row * N + n0, N, N - n0);
+  }
+};
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // bf16 experts, VNNI-packed and stacked: [E, N/16, K/2, 16, 2]. Rows read as bf16 pairs.
 struct VnniProjection {
-  using In = at::BFloat16;
+  using Rows = PlainRows<at::BFloat16>;
   const at::BFloat16* w;
   int64_t N, K;
 
   // 4 blocks per panel below 8 rows, 3 from 8 (gemm_vnni.cpp's dispatch)
   int panel_blocks(int64_t rows) const { return rows < 8 ? 4 : 3; }
 
-  void run(const Panel& p, const In* x, at::BFloat16* y) const {
-    const auto* xr = reinterpret_cast<const int32_t*>(x + p.row * K);
+  void run(const Panel& p, const Rows& x, at::BFloat16* y) const {
+    const auto* xr = reinterpret_cast<const int32_t*>(x.rows() + p.row * K);
     const at::BFloat16* we = w + p.expert * N * K;
     at::BFloat16* yr = y + p.row * N;
     const int64_t P = K / 2;
@@ -164,14 +247,15 @@ void int8_rows(const float* x, int64_t K, const int8_t* w, const float* scale, i
 // int8 weight-only experts (kiln's int8 format) stacked: rows [E, N, K], scales [E, N]. Rows
 // read as fp32 (the bf16 values widened), in tiles of up to 8 with int8_gemv's R per tile.
 struct Int8Projection {
-  using In = float;
+  using Rows = PlainRows<float>;
   const int8_t* w;
   const float* scale;
   int64_t N, K;
 
   int panel_blocks(int64_t) const { return 4; }
 
-  void run(const Panel& p, const In* x, at::BFloat16* y) const {
+  void run(const Panel& p, const Rows& rows, at::BFloat16* y) const {
+    const float* x = rows.rows();
     const int8_t* we = w + p.expert * N * K;
     const float* se = scale + p.expert * N;
     const int64_t n0 = p.block * kBlock, n1 = std::min(N, n0 + p.nv * kBlock);
@@ -191,15 +275,6 @@ struct Int8Projection {
     }
   }
 };
-
-template <typename In>
-void gather_row(const at::BFloat16* src, int64_t n, In* dst) {
-  if constexpr (std::is_same_v<In, at::BFloat16>) {
-    std::memcpy(dst, src, n * sizeof(at::BFloat16));
-  } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = f32(src[i]);
-  }
-}
 
 // act[:I] = silu(gate) * up for one row of gate/up [2I], as kiln::silu_mul computes it (the
 // per-expert path's op), rounded to bf16 (then widened where the down projection reads fp32).
@@ -236,20 +311,16 @@ void combine_chunk(const ExpertRows& g, const at::BFloat16* down, int64_t H, int
 template <typename Proj>
 at::Tensor run_experts(const ExpertRows& g, const at::Tensor& x, const Proj& up,
                        const Proj& down) {
-  using In = typename Proj::In;
   const int64_t T = x.size(0), H = x.size(1), R = g.rows(), I = up.N / 2;
   auto y = at::empty({T, H}, x.options());
   if (R == 0) return y.zero_();
-  const auto in_opts = x.options().dtype(std::is_same_v<In, float> ? at::kFloat : at::kBFloat16);
-  at::Tensor xg_t = at::empty({R, H}, in_opts), act_t = at::empty({R, I}, in_opts);
+  typename Proj::Rows xg(g, H, x.options()), act(g, I, x.options());
   at::Tensor gu_t = at::empty({R, 2 * I}, x.options()), dn_t = at::empty({R, H}, x.options());
   std::vector<Panel> up_panels, down_panels;
   std::vector<int64_t> up_cost, down_cost;
   plan_panels(g, up, up_panels, up_cost);
   plan_panels(g, down, down_panels, down_cost);
   const auto* xs = x.data_ptr<at::BFloat16>();
-  auto* xg = static_cast<In*>(xg_t.data_ptr());
-  auto* act = static_cast<In*>(act_t.data_ptr());
   auto* gu = gu_t.data_ptr<at::BFloat16>();
   auto* dn = dn_t.data_ptr<at::BFloat16>();
   auto* out = y.data_ptr<at::BFloat16>();
@@ -258,12 +329,18 @@ at::Tensor run_experts(const ExpertRows& g, const at::Tensor& x, const Proj& up,
   {
     const int id = omp_get_thread_num(), n = omp_get_num_threads();
     auto [r0, r1] = share(R, id, n);
-    for (int64_t r = r0; r < r1; ++r) gather_row(xs + g.row_token[r] * H, H, xg + r * H);
+    for (int64_t r = r0; r < r1; ++r) {
+      gather_row(xs + g.row_token[r] * H, H, xg.row(r));
+      xg.done(r);
+    }
 #pragma omp barrier
     auto [u0, u1] = share(up_cost, id, n);
     for (int64_t i = u0; i < u1; ++i) up.run(up_panels[i], xg, gu);
 #pragma omp barrier
-    for (int64_t r = r0; r < r1; ++r) silu_mul_row(gu + r * 2 * I, I, act + r * I);
+    for (int64_t r = r0; r < r1; ++r) {
+      silu_mul_row(gu + r * 2 * I, I, act.row(r));
+      act.done(r);
+    }
 #pragma omp barrier
     auto [d0, d1] = share(down_cost, id, n);
     for (int64_t i = d0; i < d1; ++i) down.run(down_panels[i], act, dn);
@@ -346,6 +423,44 @@ at::Tensor moe_experts_int8(const at::Tensor& x, const at::Tensor& experts,
   return run_experts(
       g, x, Int8Projection{gate_up.data_ptr<int8_t>(), gate_up_scale.data_ptr<float>(), two_i, H},
       Int8Projection{down.data_ptr<int8_t>(), down_scale.data_ptr<float>(), H, two_i / 2});
+}
+
+at::Tensor moe_experts_int8_vnni(const at::Tensor& x, const at::Tensor& experts,
+                                 const at::Tensor& weights, const at::Tensor& gate_up,
+                                 const at::Tensor& gate_up_scale, const at::Tensor& down,
+                                 const at::Tensor& down_scale,
+                                 const std::optional<at::Tensor>& owned) {
+  const char* op = "moe_experts_int8_vnni";
+  TORCH_CHECK(gate_up.dim() == 5 && gate_up.size(3) == 16 && gate_up.size(4) == 4 &&
+                  gate_up.scalar_type() == at::kByte && gate_up.is_contiguous(),
+              op, ": gate_up must be int8-VNNI-packed uint8 [E, 2I/16, H/4, 16, 4]");
+  TORCH_CHECK(down.dim() == 5 && down.size(3) == 16 && down.size(4) == 4 &&
+                  down.scalar_type() == at::kByte && down.is_contiguous(),
+              op, ": down must be int8-VNNI-packed uint8 [E, H/16, I/4, 16, 4]");
+  const int64_t E = gate_up.size(0), two_i = gate_up.size(1) * 16, H = x.size(-1);
+  TORCH_CHECK(down.size(0) == E, op, ": ", E, " gate_up experts, ", down.size(0), " down");
+  TORCH_CHECK(gate_up.size(2) == (H + 3) / 4, op, ": x has ", H, " features, gate_up packs ",
+              4 * gate_up.size(2));
+  TORCH_CHECK(down.size(1) * 16 == H && down.size(2) == (two_i / 2 + 3) / 4, op, ": down ",
+              down.sizes(), " does not map ", two_i / 2, " features to ", H);
+  TORCH_CHECK(4 * std::max(gate_up.size(2), down.size(2)) <= 65536, op,
+              ": more than 65536 input features (the int32 sums 255 * 128 * K would overflow)");
+  TORCH_CHECK(gate_up_scale.numel() == E * two_i && down_scale.numel() == E * H &&
+                  gate_up_scale.scalar_type() == at::kFloat &&
+                  down_scale.scalar_type() == at::kFloat && gate_up_scale.is_contiguous() &&
+                  down_scale.is_contiguous(),
+              op, ": one contiguous float32 scale per output row expected");
+#if KILN_INT8_VNNI
+  const ExpertRows g = check_and_group(op, x, experts, weights, owned, E);
+  return run_experts(g, x,
+                     Int8VnniProjection{gate_up.data_ptr<uint8_t>(),
+                                        gate_up_scale.data_ptr<float>(), two_i, H},
+                     Int8VnniProjection{down.data_ptr<uint8_t>(), down_scale.data_ptr<float>(),
+                                        H, two_i / 2});
+#else
+  TORCH_CHECK(false, op, ": this build has no AVX512-VNNI (check int8_vnni_available)");
+  return x;
+#endif
 }
 
 }  // namespace kiln

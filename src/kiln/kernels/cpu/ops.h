@@ -64,8 +64,8 @@ at::Tensor int8_vnni_mm(const at::Tensor& x, const at::Tensor& w, const at::Tens
 bool int8_vnni_available();
 int64_t int8_vnni_calls();
 
-// moe.cpp: a MoE layer's routed experts in one call, on bf16 VNNI-packed or int8 weight-only
-// experts stacked by expert;
+// moe.cpp: a MoE layer's routed experts in one call, on bf16 VNNI-packed, int8-VNNI-packed or
+// int8 weight-only row experts stacked by expert;
 // torch reference: kiln.models.layers.moe.FusedExperts's per-expert path
 at::Tensor moe_experts_vnni(const at::Tensor& x, const at::Tensor& experts,
                             const at::Tensor& weights, const at::Tensor& gate_up,
@@ -74,6 +74,11 @@ at::Tensor moe_experts_int8(const at::Tensor& x, const at::Tensor& experts,
                             const at::Tensor& weights, const at::Tensor& gate_up,
                             const at::Tensor& gate_up_scale, const at::Tensor& down,
                             const at::Tensor& down_scale, const std::optional<at::Tensor>& owned);
+at::Tensor moe_experts_int8_vnni(const at::Tensor& x, const at::Tensor& experts,
+                                 const at::Tensor& weights, const at::Tensor& gate_up,
+                                 const at::Tensor& gate_up_scale, const at::Tensor& down,
+                                 const at::Tensor& down_scale,
+                                 const std::optional<at::Tensor>& owned);
 
 // stack.cpp; q_norm/k_norm: empty where the model has no q/k norms; router[l] set: layer l is
 // a sparse block whose stacked experts are gate_up_proj[l], down_proj[l];

@@ -282,9 +282,6 @@ class FusedExperts(nn.Module):
         fmt = formats.pop()
         if not fused_moe_available(fmt):
             return
-        for lin in layers:  # the fused kernel reads int8 rows, not int8_vnni_mm's packing
-            if getattr(lin, "int8_vnni_weight", None) is not None:
-                _inner_method(lin).unpack_rows(lin)
         self.stacked = StackedExperts(fmt, **{
             field: _stack_as_views([getattr(e, linear) for e in self], name)
             for field, linear, name in _STACKED_TENSORS[fmt]})
@@ -301,7 +298,8 @@ class FusedExperts(nn.Module):
 
     def _stack_still_held(self) -> bool:
         first = next(iter(self))
-        return all(getattr(getattr(first, linear), name).data_ptr()
+        return all(getattr(getattr(first, linear), name, None) is not None
+                   and getattr(getattr(first, linear), name).data_ptr()
                    == getattr(self.stacked, field)[0].data_ptr()
                    for field, linear, name in _STACKED_TENSORS[self.stacked.format])
 
@@ -355,15 +353,16 @@ class FusedExperts(nn.Module):
 
 def _expert_format(layer: Linear) -> ExpertFormat | None:
     """The fused kernel's name for a finalized expert linear's format (None: it cannot read
-    it): VNNI-packed bf16 (kiln.models.layers.vnni) or weight-only int8 rows (kiln.quant,
-    which the fused decoder stack reads too: `stack_tensors`), without a bias, with its
-    outputs in whole blocks of 16 rows. A tensor-parallel wrapper's inner format decides."""
+    it): VNNI-packed bf16 (kiln.models.layers.vnni), weight-only int8 packed for int8_vnni_mm
+    (kiln.quant on AVX512-VNNI CPUs) or weight-only int8 rows (kiln.quant elsewhere, which the
+    fused decoder stack reads too: `stack_tensors`), without a bias, with its outputs in
+    whole blocks of 16 rows. A tensor-parallel wrapper's inner format decides."""
     if layer.bias is not None or layer.out_features % 16:
         return None
     if getattr(layer, "vnni_weight", None) is not None:
         return ExpertFormat.BF16_VNNI
     if getattr(layer, "int8_vnni_weight", None) is not None:
-        return ExpertFormat.INT8  # packed for int8_vnni_mm; stack_weights unpacks its rows
+        return ExpertFormat.INT8_VNNI
     inner = _inner_method(layer)
     stack_tensors = getattr(inner, "stack_tensors", None)
     tensors = None if stack_tensors is None else stack_tensors(layer)
@@ -394,6 +393,10 @@ def _stack_as_views(layers: list[Linear], name: str) -> torch.Tensor:
 _STACKED_TENSORS: Mapping[ExpertFormat, tuple[tuple[str, str, str], ...]] = {
     ExpertFormat.BF16_VNNI: (("gate_up", "gate_up_proj", "vnni_weight"),
                              ("down", "down_proj", "vnni_weight")),
+    ExpertFormat.INT8_VNNI: (("gate_up", "gate_up_proj", "int8_vnni_weight"),
+                             ("down", "down_proj", "int8_vnni_weight"),
+                             ("gate_up_scale", "gate_up_proj", "weight_scale"),
+                             ("down_scale", "down_proj", "weight_scale")),
     ExpertFormat.INT8: (("gate_up", "gate_up_proj", "weight"), ("down", "down_proj", "weight"),
                         ("gate_up_scale", "gate_up_proj", "weight_scale"),
                         ("down_scale", "down_proj", "weight_scale")),
