@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kiln import LLM, SamplingParams
 from kiln.kernels import cpu as cpu_kernels
@@ -171,30 +172,38 @@ def test_qwen3_q_k_norms_fuse_with_the_same_bits(tiny_ckpt, monkeypatch):
     assert fused == layered
 
 
-def tiny_moe_llm(tmp_path_factory, model_type: str, **overrides):
+def tiny_moe_llm(tmp_path_factory, model_type: str, quantization: str | None = None,
+                 **overrides):
     from tests.parity.test_moe_parity import make_tiny_moe
 
     path = make_tiny_moe(tmp_path_factory.mktemp(model_type), model_type, hidden_size=256,
                          num_hidden_layers=3, **overrides)
     make = lambda: LLM(path, dtype="bfloat16", kv_cache_memory=16 << 20,  # noqa: E731
-                       num_threads=2)
+                       num_threads=2, quantization=quantization)
     return make(), make()
 
 
-@pytest.mark.parametrize("model_type, overrides", [
-    ("qwen3_moe", {"head_dim": 64, "mlp_only_layers": [1]}),  # q/k norms, a dense layer
-    ("mixtral", {}),
+@pytest.mark.parametrize("model_type, overrides, quantization", [
+    ("qwen3_moe", {"head_dim": 64, "mlp_only_layers": [1]}, None),  # q/k norms, a dense layer
+    ("mixtral", {}, None),  # 8 experts: the router's packed copy is half a block
+    ("qwen3_moe", {"head_dim": 64, "mlp_only_layers": [1]}, "int8"),
 ])
 def test_sparse_blocks_fuse_on_decode_steps_with_the_same_bits(tmp_path_factory, monkeypatch,
-                                                               model_type, overrides):
-    """Softmax-routed sparse blocks on bf16 VNNI experts run inside the stack (router,
-    counters and the fused expert kernel) on the steps the fused expert kernel serves;
-    longer prefill steps go layer by layer; tokens, logprobs and the routed-pair counters
-    equal the per-layer path's."""
-    fused_llm, layered_llm = tiny_moe_llm(tmp_path_factory, model_type, **overrides)
+                                                               model_type, overrides,
+                                                               quantization):
+    """Softmax-routed sparse blocks on bf16 (or int8) VNNI experts run inside the stack
+    (router, counters and the fused expert kernel) on the steps the fused expert kernel
+    serves; longer prefill steps go layer by layer; tokens, logprobs and the routed-pair
+    counters equal the per-layer path's."""
+    fused_llm, layered_llm = tiny_moe_llm(tmp_path_factory, model_type, quantization,
+                                          **overrides)
     stack = fused_llm.engine.runner.stack
     if stack is None:
-        pytest.skip("this machine's experts are not on the fused kernel (AVX512-BF16)")
+        pytest.skip("this machine's experts are not on the fused kernel (AVX512-BF16, "
+                    "AVX512-VNNI for int8)")
+    expert_dtype = torch.uint8 if quantization == "int8" else torch.bfloat16
+    assert stack.gate_up[0].dtype == stack.down[2].dtype == expert_dtype
+    assert all(r.dim() == 4 for r in stack.router if r is not None)  # Router.pack's copies
     sparse = [r is not None for r in stack.router]
     assert sparse == ([True, False, True] if model_type == "qwen3_moe" else [True] * 3)
     layered_llm.engine.runner.stack = None

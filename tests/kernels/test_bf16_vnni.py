@@ -95,3 +95,22 @@ def test_the_linear_method_serves_a_layer_as_its_weight_would():
     odd.method.load_shard(odd, 0, "weight", w[:40])
     odd.method.finalize(odd)  # 40 rows: not whole blocks, so oneDNN's packing
     assert not hasattr(odd, "vnni_weight") and torch.equal(odd.method.dense_weight(odd), w[:40])
+
+
+def test_the_lm_head_is_packed_whatever_its_vocabulary():
+    """A head of 40 rows (not whole blocks) is VNNI-packed anyway, its logits the fp32 sums of
+    the exact product, and it declines the fused stack (which reads whole blocks only)."""
+    from kiln.models.layers.linear import Linear, get_linear_method
+    from kiln.models.loader import _lm_head_dense
+
+    assert _lm_head_dense("dense-vnni") == "dense-vnni-head"
+    x, w = layer(96, 40, 3, seed=4)
+    head = Linear(96, 40, dtype=torch.bfloat16, method=get_linear_method("dense-vnni-head"))
+    head.method.load_shard(head, 0, "weight", w)
+    head.method.finalize(head)
+    assert head.vnni_weight.shape == (3, 48, 16, 2) and head.weight.numel() == 0
+    assert torch.equal(head.method.dense_weight(head), w)
+    logits = head.method.apply_fp32(head, x)
+    assert logits.dtype == torch.float32 and logits.shape == (3, 40)
+    torch.testing.assert_close(logits, x.float() @ w.float().T, atol=1e-4, rtol=1e-5)
+    assert head.method.stack_tensors(head) is None

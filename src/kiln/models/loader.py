@@ -20,7 +20,7 @@ import kiln.models.layers.cpu_bf16  # noqa: F401  (registers dense-bf16-fp32)
 import kiln.models.layers.onednn  # noqa: F401  (registers dense-onednn)
 import kiln.models.layers.vnni  # noqa: F401  (registers dense-vnni)
 from kiln.models.layers.linear import Linear, LinearMethod, get_linear_method
-from kiln.models.layers.moe import FusedExperts
+from kiln.models.layers.moe import FusedExperts, Router
 from kiln.models.registry import resolve_architecture
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -85,6 +85,8 @@ def load_model(path: str | Path, dtype: torch.dtype, backend,
     for module in model.modules():  # after the experts' linears are packed
         if stack_experts and isinstance(module, FusedExperts):
             module.stack_weights()
+        elif isinstance(module, Router):
+            module.pack()
     return LoadedModel(model.eval(), hf_config, path)
 
 
@@ -142,7 +144,11 @@ def _lm_head_dense(dense: str) -> str:
     """The LM head's dense format: its logits come from `apply_fp32` (fp32 sums written as
     fp32). Kiln's VNNI kernel writes them itself; oneDNN's bf16 linear cannot, so where the
     rest is oneDNN-packed the head keeps plain bf16 weights for kiln's bf16_gemm_f32 (or
-    torch's widened matmul without kernels). A tied head holds its own copy either way."""
+    torch's widened matmul without kernels). Where the rest is VNNI-packed, so is the head,
+    whatever its vocabulary size (`dense-vnni-head`). A tied head holds its own copy either
+    way."""
+    if dense == "dense-vnni":
+        return "dense-vnni-head"
     if dense != "dense-onednn":
         return dense
     from kiln.kernels.bf16_mm import bf16_gemm_available

@@ -2,7 +2,7 @@
 
 The same kernels in the same order as the per-layer path (KernelOps, the linears' own kernels,
 CpuPagedAttention; Qwen3's q/k norms through KernelOps' kernel; a softmax-routed sparse block
-through the ATen ops of its Python router and the fused expert kernel, `stack_moe`), so the
+through its Python router's ops and the fused expert kernel, bf16 or int8, `stack_moe`), so the
 same result to the bit, minus one Python round trip per op. The
 runner builds a model's `StackWeights` once (`stack_weights`: None where some layer is off this
 path) and asks `StackWeights.serves` each step; where it declines, the model's own forward runs
@@ -28,8 +28,8 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from kiln.distributed.communicator import ShmCommunicator
-from kiln.kernels.moe_experts import ExpertFormat
-from kiln.models.layers.linear import Linear
+from kiln.kernels.moe_experts import ExpertFormat, StackedExperts
+from kiln.models.layers.linear import NO_SCALE, Linear, StackTensors
 from kiln.models.layers.moe import FusedExperts, Scoring, SparseMoeBlock
 from kiln.models.llama import LlamaForCausalLM
 from kiln.runner.attention import CpuAttentionMetadata, CpuPagedAttention
@@ -114,7 +114,7 @@ def stack_weights(model: LlamaForCausalLM, backend: CpuPagedAttention) -> StackW
     """The model's `StackWeights`, or None when a layer is off the fused path: a feed-forward
     that is neither a dense MLP nor a sparse block the stack routes (`stack_moe`), or a
     linear whose method has no stack tensors (a bias, torch's matmul, a format other than
-    oneDNN bf16, kiln's bf16-fp32 and weight-only int8)."""
+    oneDNN bf16, kiln's VNNI bf16, kiln's bf16-fp32 and weight-only int8)."""
     layers = list(model.model.layers)
     moe = [layer.sparse_moe() for layer in layers]
     blocks = [b for b in moe if b is not None]
@@ -132,32 +132,19 @@ def stack_weights(model: LlamaForCausalLM, backend: CpuPagedAttention) -> StackW
     stored = {m: m.method.stack_tensors(m) for m in linears}
     if None in stored.values():
         return None
-    row = {stored[m].all_reduce for m in projections["o"] + projections["down"]}
-    column = {stored[m].all_reduce for m in projections["qkv"] + projections["gate_up"]}
-    if column != {None} or len(row) != 1 or (None in row) != (model.tp.size == 1):
-        return None  # the stack would not sum the outputs the layers sum (over gloo: none)
-    (all_reduce,) = row
-    int8 = any(t.scale.numel() for t in stored.values())
-    if int8 and blocks:
-        return None  # the stack's sparse layers read bf16 experts only
-    weights = {name: [stored[m].weight for m in ms] for name, ms in projections.items()}
-    scales = {f"{name}_scale": [stored[m].scale for m in ms] if int8 else []
-              for name, ms in projections.items()}
-    for name in ("gate_up", "down"):  # per layer: the dense MLP's, or the stacked experts'
-        dense_weights = iter(weights[name])
-        weights[name] = [next(dense_weights) if b is None else getattr(b.experts.stacked, name)
-                         for b in moe]
-    a, norm = model.arch, model.model.norm
-    embed = model.model.embed_tokens
+    reduce = _row_parallel_group(model, stored, projections)
+    if reduce is False:
+        return None
+    a, norm, embed = model.arch, model.model.norm, model.model.embed_tokens
     qk = [(x.q_norm.weight, x.k_norm.weight) for x in attn] if a.qk_norm else []
     spec = blocks[0].gate.spec if blocks else None
     bypassed = ([model] + layers + attn + dense + linears + blocks
                 + [m for b in blocks for m in (b.gate, b.experts)]
                 + ([n for x in attn for n in (x.q_norm, x.k_norm)] if a.qk_norm else []))
     return StackWeights(
-        embed=embed, **weights, **scales,
+        embed=embed, **_layer_tensors(projections, stored, moe),
         q_norm=[q for q, _ in qk], k_norm=[k for _, k in qk],
-        router=[None if b is None else b.gate.weight for b in moe],
+        router=[None if b is None else _router_tensor(b) for b in moe],
         expert_tokens=[None if b is None else b.expert_tokens for b in moe],
         top_k=0 if spec is None else spec.top_k,
         normalize_top_k=spec is not None and spec.normalize_top_k,
@@ -172,21 +159,63 @@ def stack_weights(model: LlamaForCausalLM, backend: CpuPagedAttention) -> StackW
                  and embed.weight.dtype == torch.bfloat16),
         max_tokens=min((t.max_tokens for t in stored.values()), default=math.inf),
         hook_dicts=[d for m in bypassed for d in (m._forward_hooks, m._forward_pre_hooks)],
-        all_reduce=all_reduce)
+        all_reduce=reduce)
+
+
+def _row_parallel_group(model: LlamaForCausalLM, stored: dict[Linear, StackTensors],
+                        projections: dict[str, list[Linear]]) -> ShmCommunicator | None | bool:
+    """The group summing o_proj's and down_proj's outputs inside the stack (None in one
+    process), or False where the stack would not sum the outputs the layers sum (over gloo:
+    none; a column-parallel layer that reduces)."""
+    row = {stored[m].all_reduce for m in projections["o"] + projections["down"]}
+    column = {stored[m].all_reduce for m in projections["qkv"] + projections["gate_up"]}
+    if column != {None} or len(row) != 1 or (None in row) != (model.tp.size == 1):
+        return False
+    return next(iter(row))
+
+
+def _layer_tensors(projections: dict[str, list[Linear]], stored: dict[Linear, StackTensors],
+                   moe: list[SparseMoeBlock | None]) -> dict[str, list[torch.Tensor]]:
+    """Each projection's weight per layer (a sparse layer's gate_up and down: its stacked
+    experts'), and their per-row scales per layer where any layer is int8 (else empty
+    lists; a bf16 layer among int8 ones: NO_SCALE)."""
+    out = {name: [stored[m].weight for m in ms] for name, ms in projections.items()}
+    scales = {name: [stored[m].scale for m in ms] for name, ms in projections.items()}
+    for name in ("gate_up", "down"):  # per layer: the dense MLP's, or the stacked experts'
+        dense_weights, dense_scales = iter(out[name]), iter(scales[name])
+        out[name], scales[name] = map(list, zip(*[
+            (next(dense_weights), next(dense_scales)) if b is None
+            else _expert_tensors(b.experts.stacked, name) for b in moe], strict=True))
+    int8 = any(t.numel() for ts in scales.values() for t in ts)
+    out.update({f"{name}_scale": ts if int8 else [] for name, ts in scales.items()})
+    return out
+
+
+def _expert_tensors(stacked: StackedExperts, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = getattr(stacked, f"{name}_scale")
+    return getattr(stacked, name), NO_SCALE if scale is None else scale
+
+
+def _router_tensor(block: SparseMoeBlock) -> torch.Tensor:
+    """The router's VNNI-packed copy where it holds one (Router.pack), else its weight."""
+    gate = block.gate
+    return gate.weight if gate.vnni_weight is None else gate.vnni_weight
 
 
 def stack_moe(block: SparseMoeBlock) -> bool:
     """Whether the stack runs `block` as the per-layer path does: one process (no expert
-    parallelism), a softmax router in the model dtype (Mixtral, Qwen) with no groups, bias or
-    scaling, no shared expert, and every held expert on the fused kernel's bf16 VNNI
-    layout (`FusedExperts.stacked`). Other blocks keep their model on the per-layer path."""
+    parallelism), a softmax router in the model dtype, bf16 (Mixtral, Qwen), with no groups,
+    bias or scaling, no shared expert, and every held expert on the fused kernel's bf16 or
+    int8 VNNI layout (`FusedExperts.stacked`; the kernel takes bf16 activations only). Other
+    blocks keep their model on the per-layer path."""
     spec, stacked = block.gate.spec, block.experts.stacked
     return (block.shard.tp.size == 1 and block.experts.expert_slot is None
             and spec.scoring is Scoring.SOFTMAX and not spec.grouped
             and not spec.selection_bias and spec.scaling_factor == 1.0
-            and not spec.fp32_weight and block.shared_mlp() is None
+            and not spec.fp32_weight and block.gate.weight.dtype == torch.bfloat16
+            and block.shared_mlp() is None
             and block.shared_expert_gate is None and stacked is not None
-            and stacked.format is ExpertFormat.BF16_VNNI)
+            and stacked.format in (ExpertFormat.BF16_VNNI, ExpertFormat.INT8_VNNI))
 
 
 def fused_stack(w: StackWeights, input_ids: torch.Tensor, positions: torch.Tensor,

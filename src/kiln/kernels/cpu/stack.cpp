@@ -7,8 +7,8 @@
 // together. Linears are kiln's VNNI-packed bf16, oneDNN bf16, or kiln's int8 GEMV or bf16_gemm
 // (both on decode-sized steps). Qwen3's per-head q/k RMS norms run through the per-layer
 // path's kernel (qk_norm_rotary_inplace). A layer's feed-forward is a dense SwiGLU MLP or a
-// softmax-routed mixture of bf16 VNNI-packed experts (Qwen3-MoE's sparse block): the router
-// through the ATen ops the Python block calls, in its order, then the fused expert kernel
+// softmax-routed mixture of bf16 or int8 VNNI-packed experts (Qwen3-MoE's sparse block): the
+// router through the ops the Python block calls, in its order, then the fused expert kernel
 // (moe.cpp). Used only where the model has no hooks or biases (kiln.runner.fused_stack
 // decides); its result is bit-identical to the per-layer path, which the tests check.
 //
@@ -68,13 +68,18 @@ at::Tensor reduced(at::Tensor partial, const std::optional<at::Tensor>& segment,
 }
 
 // A softmax-routed sparse block's output for h [T, H], as kiln.models.layers.moe's
-// SparseMoeBlock computes it without a shared expert: logits in the router's dtype, fp32
-// softmax, the top k, renormalized where the family says, the routed pairs counted, the
-// experts through the fused kernel (the same ATen ops in the same order: the same bits).
+// SparseMoeBlock computes it without a shared expert: logits in the router's dtype (on kiln's
+// VNNI kernel where the router is VNNI-packed, 4-D, as Router.forward), fp32 softmax, the top
+// k, renormalized where the family says, the routed pairs counted, the experts through the
+// fused kernel for their format (bf16 VNNI-packed, or int8 VNNI-packed with per-row scales)
+// (the same ops in the same order: the same bits).
 at::Tensor sparse_block(const at::Tensor& h, const at::Tensor& router, at::Tensor counts,
-                        const at::Tensor& gate_up, const at::Tensor& down, int64_t top_k,
-                        bool normalize_top_k) {
-  const at::Tensor logits = at::linear(h.to(router.scalar_type()), router);  // [T, E]
+                        const at::Tensor& gate_up, const at::Tensor& down,
+                        const at::Tensor& gate_up_scale, const at::Tensor& down_scale,
+                        int64_t top_k, bool normalize_top_k) {
+  const at::Tensor logits = router.dim() == 4
+      ? bf16_vnni_mm(h, router, counts.size(0), false)
+      : at::linear(h.to(router.scalar_type()), router);  // [T, E]
   const at::Tensor scores = at::softmax(logits.to(at::kFloat), -1);
   const at::Tensor experts = std::get<1>(scores.topk(top_k, -1));
   at::Tensor weights = scores.gather(1, experts);
@@ -82,6 +87,9 @@ at::Tensor sparse_block(const at::Tensor& h, const at::Tensor& router, at::Tenso
   if (normalize_top_k) weights = weights.div(weights.sum(-1, true).add(1e-20));
   const at::Tensor flat = experts.flatten();
   counts.index_add_(0, flat, at::ones_like(flat));
+  if (gate_up.scalar_type() == at::kByte)
+    return moe_experts_int8_vnni(h, experts, weights, gate_up, gate_up_scale, down, down_scale,
+                                 std::nullopt);
   return moe_experts_vnni(h, experts, weights, gate_up, down, std::nullopt);
 }
 
@@ -150,7 +158,9 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
     h = add_rms_norm(o, residual, post_norm[l], eps);
     const std::optional<at::Tensor> gate = router.get(l);
     if (gate.has_value())  // gate_up_proj[l], down_proj[l]: the layer's stacked experts
-      x = sparse_block(h, *gate, *expert_tokens.get(l), gate_up_proj[l], down_proj[l], top_k,
+      x = sparse_block(h, *gate, *expert_tokens.get(l), gate_up_proj[l], down_proj[l],
+                       gate_up_scale.empty() ? at::Tensor() : gate_up_scale[l],
+                       down_scale.empty() ? at::Tensor() : down_scale[l], top_k,
                        normalize_top_k);
     else
       x = reduced(stack_linear(silu_mul(stack_linear(h, gate_up_proj, gate_up_scale, l,

@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.kernels.bf16_vnni import pack_vnni, vnni_available, vnni_mm
 from kiln.kernels.moe_experts import (
     FUSED_MOE_ENABLED,
     ExpertFormat,
@@ -135,7 +136,12 @@ class Router(nn.Module):
 
     Holds HF's `gate.weight` [E, H] as a plain parameter, never a quantized format: routing
     decisions are discrete, and a rounded router would change which experts run. With a
-    selection bias, also HF's `gate.e_score_correction_bias` [E] (fp32)."""
+    selection bias, also HF's `gate.e_score_correction_bias` [E] (fp32).
+
+    A bf16 router on an AVX512-BF16 CPU also holds a VNNI-packed copy (`pack`, after loading)
+    and computes its logits on kiln's VNNI kernel, rounded to bf16 as F.linear rounds them
+    (the fused decoder stack reads the same copy, so both paths route alike): ATen's bf16
+    linear took ~50 us a layer for one token's [1, H] x [H, E] (docs/moe.md)."""
 
     def __init__(self, hidden_size: int, spec: RouterSpec, dtype: torch.dtype):
         super().__init__()
@@ -148,9 +154,19 @@ class Router(nn.Module):
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(spec.num_experts, dtype=torch.float32, device="cpu"),
                 requires_grad=False)
+        self.vnni_weight: torch.Tensor | None = None  # `pack`'s copy (not a buffer: CPU only)
+
+    def pack(self) -> None:
+        """Once, after loading (kiln.models.loader): the VNNI-packed copy, where it serves."""
+        if self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu" \
+                and vnni_available():
+            self.vnni_weight = pack_vnni(self.weight.data)
 
     def forward(self, x: torch.Tensor) -> Routing:
-        logits = F.linear(x.to(self.weight.dtype), self.weight)  # [T, E]
+        if self.vnni_weight is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            logits = vnni_mm(x, self.vnni_weight, self.spec.num_experts)
+        else:
+            logits = F.linear(x.to(self.weight.dtype), self.weight)  # [T, E]
         return route(logits, self.spec, self.e_score_correction_bias)
 
 

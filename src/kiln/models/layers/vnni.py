@@ -4,7 +4,10 @@ One packed copy serves every step size: decode streams it front to back at close
 memory bandwidth (oneDNN's bf16 linear reached about half of it at one token), prefill runs
 the same kernel's 8-token tiles at oneDNN's speed or better (docs/decisions/0013). The plain
 weight is released once packed; `dense_weight` unpacks a copy for the few readers that want W.
-Layers whose shape does not split into blocks of 16 rows keep oneDNN's packing.
+Decoder layers whose shape does not split into blocks of 16 rows keep oneDNN's packing (the
+fused decoder stack reads a packed layer's row count from its blocks); the LM head
+(`dense-vnni-head`) is packed whatever its rows, its last block zero-padded, since it runs
+outside the stack and a oneDNN-packed head would be unpacked every step to write fp32 logits.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from kiln.models.layers.onednn import OneDNNLinearMethod
 class VnniLinearMethod(OneDNNLinearMethod):
     """OneDNNLinearMethod whose weights are VNNI-packed for kiln's kernel (where N % 16 == 0)."""
 
+    any_rows = False  # pack a weight whose rows are not a multiple of 16 (the LM head)
+
     def finalize(self, layer):
         weight = layer.weight.data
-        if weight.dtype != torch.bfloat16 or weight.shape[0] % BLOCK:
+        if weight.dtype != torch.bfloat16 or (weight.shape[0] % BLOCK and not self.any_rows):
             return super().finalize(layer)
         layer.vnni_weight = pack_vnni(weight)
         layer.weight = nn.Parameter(weight.new_empty(0, weight.shape[1]), requires_grad=False)
@@ -59,6 +64,13 @@ class VnniLinearMethod(OneDNNLinearMethod):
     def stack_tensors(self, layer) -> StackTensors | None:
         if not hasattr(layer, "vnni_weight"):
             return super().stack_tensors(layer)
-        if layer.bias is not None:
+        if layer.bias is not None or layer.out_features % BLOCK:  # the stack: whole blocks only
             return None
         return StackTensors(layer.vnni_weight, NO_SCALE)
+
+
+@register_linear_method("dense-vnni-head")
+class VnniHeadMethod(VnniLinearMethod):
+    """The LM head on kiln's VNNI kernel whatever its vocabulary size (kiln.models.loader)."""
+
+    any_rows = True
