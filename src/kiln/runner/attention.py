@@ -245,6 +245,12 @@ class CpuPagedAttention:
 
     def build_metadata(self, layout: SeqLayout, positions: torch.Tensor, block_size: int,
                        slot_mapping: torch.Tensor | None = None) -> CpuAttentionMetadata:
+        if layout.tree_mask is None and layout.max_query_len is not None \
+                and layout.max_query_len <= self.max_kernel_query_len:
+            short, long = layout, None  # decode steps: known from the builder's ints
+            if slot_mapping is None:
+                slot_mapping = slot_mapping_for(layout, positions, block_size)
+            return CpuAttentionMetadata(slot_mapping, block_size, short, long, len(positions))
         is_short = layout.query_lens <= self.max_kernel_query_len
         if layout.tree_mask is not None:  # a draft tree (up to 32 tokens) needs its bits here
             is_short |= layout.tree_mask[layout.query_start + layout.query_lens - 1] != 0

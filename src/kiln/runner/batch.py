@@ -42,40 +42,62 @@ class BatchInputs:
     layout: SeqLayout
     logits_index: torch.Tensor  # [R] flat token index of each logits row
     rows: list[LogitsRows]  # per scheduled request
+    slot_mapping: torch.Tensor | None = None  # [T] cache slots (build_batch's block_size)
 
 
-def build_batch(sched: SchedulerOutput, device: torch.device) -> BatchInputs:
-    """The step's flat batch, its tensors on `device`."""
+def build_batch(sched: SchedulerOutput, device: torch.device,
+                block_size: int | None = None) -> BatchInputs:
+    """The step's flat batch, its tensors on `device`: the per-token and per-sequence integers
+    built as Python lists and copied in one tensor (a batch-1 decode step's half-dozen small
+    tensors and position arithmetic cost more than its attention), the block table in one more;
+    each field a view of its slice. With `block_size`, also each token's cache slot
+    (`slot_mapping`, as kiln.runner.slots.slot_mapping_for derives it)."""
     token_ids: list[int] = []
+    positions: list[int] = []  # a token's position: its sequence's start + its offset
     starts, lens, ctx, tables = [], [], [], []
     logits_index: list[int] = []
     rows: list[LogitsRows] = []
     for item in sched.scheduled:
         q_start, n = len(token_ids), len(item.token_ids)
         token_ids.extend(item.token_ids)
+        positions.extend(range(item.start_pos, item.start_pos + n))
         starts.append(q_start)
         lens.append(n)
         ctx.append(item.start_pos)
         tables.append(item.block_ids)
         rows.append(_logits_rows(item, q_start, n, logits_index))
+    slots = [] if block_size is None else _slots(positions, lens, tables, block_size)
+    fields = (token_ids, positions, starts, lens, ctx, logits_index, slots)
+    flat = torch.tensor([v for f in fields for v in f], dtype=torch.int64, device=device)
+    ids, slot_positions, query_start, query_lens, context_lens, logits_rows, slot_t = \
+        flat.split([len(f) for f in fields])
     width = max(len(t) for t in tables)
     layout = SeqLayout(
-        query_start=torch.tensor(starts, device=device),
-        query_lens=torch.tensor(lens, device=device),
-        context_lens=torch.tensor(ctx, device=device),
-        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device))
-    slot_positions = _positions(layout, len(token_ids))
-    positions = slot_positions
+        query_start=query_start, query_lens=query_lens, context_lens=context_lens,
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),
+        max_query_len=max(lens))
+    positions_t = slot_positions
     trees = [(start, item) for start, item in zip(starts, sched.scheduled, strict=True)
              if item.draft_parents is not None and item.num_draft_tokens]
     if trees:
-        positions = slot_positions.clone()
+        positions_t = slot_positions.clone()
         layout.tree_mask = torch.zeros(len(token_ids), dtype=torch.int64, device=device)
         for start, item in trees:
-            _place_tree(item, start, positions, layout.tree_mask)
-    return BatchInputs(torch.tensor(token_ids, device=device), positions, slot_positions,
-                       layout, torch.tensor(logits_index, dtype=torch.int64, device=device),
-                       rows)
+            _place_tree(item, start, positions_t, layout.tree_mask)
+    return BatchInputs(ids, positions_t, slot_positions, layout, logits_rows, rows,
+                       None if block_size is None else slot_t)
+
+
+def _slots(positions: list[int], lens: list[int], tables: list[list[int]],
+           block_size: int) -> list[int]:
+    """Each token's cache slot: its sequence's block at position // block_size."""
+    out: list[int] = []
+    at = 0
+    for n, table in zip(lens, tables, strict=True):
+        out.extend(table[p // block_size] * block_size + p % block_size
+                   for p in positions[at:at + n])
+        at += n
+    return out
 
 
 MAX_TREE_QUERY = MAX_TREE_DRAFTS + 1  # a tree's query: its root (the last known token) + drafts
@@ -113,12 +135,3 @@ def _logits_rows(item, q_start: int, n: int, logits_index: list[int]) -> LogitsR
         num_sample = item.num_draft_tokens + 1
         logits_index.extend(range(q_start + n - num_sample, q_start + n))
     return LogitsRows(sample_start, num_sample, prompt_start, num_prompt)
-
-
-def _positions(layout: SeqLayout, num_tokens: int) -> torch.Tensor:
-    device = layout.query_lens.device
-    seq_of_token = torch.repeat_interleave(
-        torch.arange(len(layout.query_lens), device=device), layout.query_lens,
-        output_size=num_tokens)
-    return (torch.arange(num_tokens, device=device) - layout.query_start[seq_of_token]
-            + layout.context_lens[seq_of_token])

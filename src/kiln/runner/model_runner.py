@@ -41,7 +41,7 @@ from kiln.models.loader import load_model, read_hf_config
 from kiln.models.registry import resolve_architecture
 from kiln.platform import KernelSet, Platform
 from kiln.runner import fused_stack
-from kiln.runner.attention import get_attention_backend, slot_mapping_for
+from kiln.runner.attention import get_attention_backend
 from kiln.runner.batch import BatchInputs, LogitsRows, build_batch
 from kiln.runner.cuda_graphs import DecodeGraphs, GraphBackend, capture_sizes
 from kiln.runner.data_parallel import (
@@ -331,7 +331,7 @@ class ModelRunner:
         `execute` samples from them; a draft model's proposer scores a draft vocabulary.
         `logits`: the LM head runs next on the batch's logits rows (the other ranks join)."""
         self.release(sched.finished_ids)
-        batch = build_batch(sched, self.device)
+        batch = build_batch(sched, self.device, self.kv_spec.block_size)
         if self.stages is not None:  # this rank's stage over the step's micro-batches
             if self.leader is not None:
                 self._tell_finish(sched)
@@ -341,10 +341,9 @@ class ModelRunner:
             self.leader.send(RunStep(step_seqs(sched), rows))
         size = self.graphs.bucket(sched, batch) if self.graphs is not None else None
         if size is not None:
-            slots = slot_mapping_for(batch.layout, batch.slot_positions, self.kv_spec.block_size)
-            return batch, self.graphs.run(batch, slots, size)
+            return batch, self.graphs.run(batch, batch.slot_mapping, size)
         meta = self.backend.build_metadata(batch.layout, batch.slot_positions,
-                                           self.kv_spec.block_size)
+                                           self.kv_spec.block_size, batch.slot_mapping)
         return batch, self._run_model(batch, meta)
 
     def _tell_finish(self, sched: SchedulerOutput) -> None:

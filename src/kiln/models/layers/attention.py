@@ -27,6 +27,9 @@ class SeqLayout:
     # its ancestors and itself; kiln.speculative); 0 = causal as usual. Only short queries
     # carry trees.
     tree_mask: torch.Tensor | None = None
+    # the largest query_lens entry where the builder knew it as a Python int (kiln.runner.
+    # batch), so a backend splits short from long queries without reading a device tensor
+    max_query_len: int | None = None
 
     @property
     def seq_lens(self) -> torch.Tensor:
