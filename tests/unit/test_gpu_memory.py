@@ -8,7 +8,7 @@ import torch
 
 from kiln.config import CacheConfig
 from kiln.runner.device_memory import DeviceMemory, activation_reserve, gpu_kv_blocks
-from kiln.runner.model_runner import KVCacheSpec, num_kv_blocks
+from kiln.runner.kv_cache import KVCacheSpec, num_kv_blocks
 
 GiB, MiB = 1 << 30, 1 << 20
 

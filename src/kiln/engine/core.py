@@ -151,7 +151,8 @@ class EngineCore:
         """Load the model and size the KV cache; `structured` and `speculator` build the
         features (kiln.assembly passes kiln's; see the module docstring)."""
         from kiln.models.loader import read_hf_config
-        from kiln.runner.model_runner import ModelRunner, num_kv_blocks
+        from kiln.runner.kv_cache import num_kv_blocks
+        from kiln.runner.model_runner import ModelRunner
 
         self.config = config
         self.model_path = resolve_model_path(config.model.model)

@@ -96,7 +96,7 @@ class DraftModelProposer:
         memory the target left does not hold them (kiln.runner.device_memory.draft_kv_blocks);
         on the CPU max_model_len x max_num_seqs tokens, capped (the target's CPU rule)."""
         from kiln.runner.device_memory import draft_kv_blocks
-        from kiln.runner.model_runner import num_kv_blocks
+        from kiln.runner.kv_cache import num_kv_blocks
 
         spec, sc = self.runner.kv_spec, ctx.scheduler
         cache = dataclasses.replace(ctx.cache, kv_cache_memory=config.draft_kv_cache_memory)
