@@ -1,5 +1,5 @@
 // Paged KV cache writes: a step's keys and values into their slots, and slot-to-slot moves
-// (an accepted draft path's KV). Torch reference: kiln/runner/attention.py, model_runner.py.
+// (an accepted draft path's KV). Torch reference: kiln/runner/attention.py, kv_cache.py.
 
 #include "ops.h"
 
