@@ -349,3 +349,49 @@ def test_deepseek_variants_kiln_does_not_run_name_their_field(field, value):
     with pytest.raises(UnsupportedVariant, match=field) as err:
         deepseek_moe_shape({**DEEPSEEK_V3_CONFIG, field: value})
     assert err.value.field == field
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_kernel_route_chooses_as_route(normalize):
+    """kiln's route_softmax op (the packed Router's and the fused stack's) picks the same
+    experts in the same order as `route`, with weights equal to fp32 rounding, on bf16 logits
+    of 64 experts (ties included: bf16 logits repeat) and on the exact-value example."""
+    from kiln.kernels import cpu
+
+    if not cpu.load():
+        pytest.skip("kiln CPU kernels did not build")
+    weights, experts = torch.ops.kiln.route_softmax(LOGITS, 3, normalize)
+    assert experts.tolist() == [[2, 0, 3]]
+    torch.testing.assert_close(weights, route(LOGITS, spec(3, normalize)).weights)
+    logits = torch.randn(200, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    weights, experts = torch.ops.kiln.route_softmax(logits, 8, normalize)
+    ref = route(logits, spec(8, normalize, num_experts=64))
+    scores = torch.softmax(logits.float(), -1)
+    # a tie may order differently; the chosen scores, best first, are the same
+    torch.testing.assert_close(scores.gather(1, experts), scores.gather(1, ref.experts))
+    assert (experts.sort(-1).values == ref.experts.sort(-1).values).float().mean() > 0.97
+    torch.testing.assert_close(weights.sort(-1).values, ref.weights.sort(-1).values,
+                               rtol=1e-6, atol=1e-7)
+    assert torch.all(scores.gather(1, experts)[:, :-1] >= scores.gather(1, experts)[:, 1:])
+
+
+def test_packed_router_routes_as_the_plain_one():
+    """`Router.pack` (VNNI logits, the route_softmax op) against the plain bf16 router: the
+    same experts wherever the top-k is not a near tie."""
+    from kiln.kernels.bf16_vnni import vnni_available
+
+    if not vnni_available():
+        pytest.skip("no AVX512-BF16 here: the router keeps F.linear")
+    block = SparseMoeBlock(MoeShape(64, 32, spec(4, True, num_experts=16)), "mlp",
+                           lambda prefix: None, torch.bfloat16, TorchOps())
+    gate = block.gate
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(16, 64, generator=torch.Generator().manual_seed(4)))
+    x = torch.randn(50, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    plain = gate(x)
+    gate.pack()
+    assert gate.vnni_weight is not None and gate.kernel_route
+    packed = gate(x)
+    agree = (packed.experts.sort(-1).values == plain.experts.sort(-1).values).all(-1)
+    assert agree.float().mean() >= 0.9
+    torch.testing.assert_close(packed.weights[agree], plain.weights[agree], rtol=2e-2, atol=1e-3)

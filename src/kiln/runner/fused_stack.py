@@ -205,7 +205,7 @@ def _router_tensor(block: SparseMoeBlock) -> torch.Tensor:
 def stack_moe(block: SparseMoeBlock) -> bool:
     """Whether the stack runs `block` as the per-layer path does: one process (no expert
     parallelism), a softmax router in the model dtype, bf16 (Mixtral, Qwen), with no groups,
-    bias or scaling, no shared expert, and every held expert on the fused kernel's bf16 or
+    bias or scaling, choosing by kiln's route_softmax (`Router.pack`), no shared expert, and every held expert on the fused kernel's bf16 or
     int8 VNNI layout (`FusedExperts.stacked`; the kernel takes bf16 activations only). Other
     blocks keep their model on the per-layer path."""
     spec, stacked = block.gate.spec, block.experts.stacked
@@ -213,7 +213,7 @@ def stack_moe(block: SparseMoeBlock) -> bool:
             and spec.scoring is Scoring.SOFTMAX and not spec.grouped
             and not spec.selection_bias and spec.scaling_factor == 1.0
             and not spec.fp32_weight and block.gate.weight.dtype == torch.bfloat16
-            and block.shared_mlp() is None
+            and block.gate.kernel_route and block.shared_mlp() is None
             and block.shared_expert_gate is None and stacked is not None
             and stacked.format in (ExpertFormat.BF16_VNNI, ExpertFormat.INT8_VNNI))
 

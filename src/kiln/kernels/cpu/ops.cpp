@@ -43,6 +43,8 @@ TORCH_LIBRARY(kiln, m) {
   m.def("moe_experts_int8_vnni(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, "
         "Tensor gate_up_scale, Tensor down, Tensor down_scale, Tensor? owned=None) -> Tensor",
         &kiln::moe_experts_int8_vnni);
+  m.def("route_softmax(Tensor logits, int top_k, bool normalize) -> (Tensor, Tensor)",
+        &kiln::route_softmax);
   m.def("llama_stack(Tensor x, Tensor positions, Tensor[] input_norm, Tensor[] qkv_proj, "
         "Tensor[] o_proj, Tensor[] post_norm, Tensor[] gate_up_proj, Tensor[] down_proj, "
         "Tensor[] qkv_scale, Tensor[] o_scale, Tensor[] gate_up_scale, Tensor[] down_scale, "

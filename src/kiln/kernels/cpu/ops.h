@@ -80,6 +80,11 @@ at::Tensor moe_experts_int8_vnni(const at::Tensor& x, const at::Tensor& experts,
                                  const at::Tensor& down_scale,
                                  const std::optional<at::Tensor>& owned);
 
+// router.cpp: a softmax router's top-k (weights fp32 [T, k], experts int64 [T, k]);
+// torch reference: kiln.models.layers.moe.route (softmax, no groups, bias or scaling)
+std::tuple<at::Tensor, at::Tensor> route_softmax(const at::Tensor& logits, int64_t top_k,
+                                                 bool normalize);
+
 // stack.cpp; q_norm/k_norm: empty where the model has no q/k norms; router[l] set: layer l is
 // a sparse block whose stacked experts are gate_up_proj[l], down_proj[l];
 // reduce_segment: tensor parallelism's shared-memory all-reduce (allreduce.h)

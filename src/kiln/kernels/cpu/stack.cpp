@@ -22,8 +22,6 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/linear.h>
-#include <ATen/ops/ones_like.h>
-#include <ATen/ops/softmax.h>
 
 #include "allreduce.h"
 #include "ops.h"
@@ -69,10 +67,10 @@ at::Tensor reduced(at::Tensor partial, const std::optional<at::Tensor>& segment,
 
 // A softmax-routed sparse block's output for h [T, H], as kiln.models.layers.moe's
 // SparseMoeBlock computes it without a shared expert: logits in the router's dtype (on kiln's
-// VNNI kernel where the router is VNNI-packed, 4-D, as Router.forward), fp32 softmax, the top
-// k, renormalized where the family says, the routed pairs counted, the experts through the
-// fused kernel for their format (bf16 VNNI-packed, or int8 VNNI-packed with per-row scales)
-// (the same ops in the same order: the same bits).
+// VNNI kernel where the router is VNNI-packed, 4-D, as Router.forward), the top k of their
+// softmax by route_softmax (router.cpp, Router.forward's op), the routed pairs counted, the
+// experts through the fused kernel for their format (bf16 VNNI-packed, or int8 VNNI-packed
+// with per-row scales) (the same ops in the same order: the same bits).
 at::Tensor sparse_block(const at::Tensor& h, const at::Tensor& router, at::Tensor counts,
                         const at::Tensor& gate_up, const at::Tensor& down,
                         const at::Tensor& gate_up_scale, const at::Tensor& down_scale,
@@ -80,13 +78,10 @@ at::Tensor sparse_block(const at::Tensor& h, const at::Tensor& router, at::Tenso
   const at::Tensor logits = router.dim() == 4
       ? bf16_vnni_mm(h, router, counts.size(0), false)
       : at::linear(h.to(router.scalar_type()), router);  // [T, E]
-  const at::Tensor scores = at::softmax(logits.to(at::kFloat), -1);
-  const at::Tensor experts = std::get<1>(scores.topk(top_k, -1));
-  at::Tensor weights = scores.gather(1, experts);
-  // (Python's `w / (w.sum(-1, keepdim=True) + 1e-20)`: the scalar wrapped, added in fp32)
-  if (normalize_top_k) weights = weights.div(weights.sum(-1, true).add(1e-20));
-  const at::Tensor flat = experts.flatten();
-  counts.index_add_(0, flat, at::ones_like(flat));
+  const auto [weights, experts] = route_softmax(logits, top_k, normalize_top_k);
+  int64_t* count = counts.data_ptr<int64_t>();  // SparseMoeBlock.count's index_add_
+  const int64_t* id = experts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < experts.numel(); ++i) ++count[id[i]];
   if (gate_up.scalar_type() == at::kByte)
     return moe_experts_int8_vnni(h, experts, weights, gate_up, gate_up_scale, down, down_scale,
                                  std::nullopt);

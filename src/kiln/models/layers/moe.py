@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.kernels import cpu as cpu_kernels
 from kiln.kernels.bf16_vnni import pack_vnni, vnni_available, vnni_mm
 from kiln.kernels.moe_experts import (
     FUSED_MOE_ENABLED,
@@ -155,18 +156,31 @@ class Router(nn.Module):
                 torch.zeros(spec.num_experts, dtype=torch.float32, device="cpu"),
                 requires_grad=False)
         self.vnni_weight: torch.Tensor | None = None  # `pack`'s copy (not a buffer: CPU only)
+        self.kernel_route = False  # the top k by kiln's route_softmax op (`pack`)
 
     def pack(self) -> None:
-        """Once, after loading (kiln.models.loader): the VNNI-packed copy, where it serves."""
-        if self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu" \
-                and vnni_available():
+        """Once, after loading (kiln.models.loader), for a bf16 router on the CPU: the
+        VNNI-packed copy where the CPU has AVX512-BF16, and a plain softmax's top k by kiln's
+        `route_softmax` op (kernels/cpu/router.cpp: one loop per token, not ATen's softmax,
+        topk, gather and renormalization) where kiln's kernels built."""
+        if self.weight.dtype != torch.bfloat16 or self.weight.device.type != "cpu":
+            return
+        if vnni_available():
             self.vnni_weight = pack_vnni(self.weight.data)
+        spec = self.spec
+        self.kernel_route = (cpu_kernels.load() and spec.scoring is Scoring.SOFTMAX
+                             and not spec.grouped and not spec.selection_bias
+                             and spec.scaling_factor == 1.0)
 
     def forward(self, x: torch.Tensor) -> Routing:
-        if self.vnni_weight is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        on_cpu = x.device.type == "cpu"
+        if self.vnni_weight is not None and x.dtype == torch.bfloat16 and on_cpu:
             logits = vnni_mm(x, self.vnni_weight, self.spec.num_experts)
         else:
             logits = F.linear(x.to(self.weight.dtype), self.weight)  # [T, E]
+        if self.kernel_route and on_cpu:
+            return Routing(*torch.ops.kiln.route_softmax(logits, self.spec.top_k,
+                                                         self.spec.normalize_top_k))
         return route(logits, self.spec, self.e_score_correction_bias)
 
 
