@@ -207,7 +207,7 @@ def split_expert_methods(cols_tp: TensorParallel | None, width: int, gate_up: Li
 
 def check_expert_parallel(moe, size: int, options: ExpertParallelOptions,
                           size_name: str = "tensor_parallel_size") -> None:
-    """ValueError naming the numbers where a MoE block (`moe`: a kiln.models.layers.moe
+    """ValueError naming the numbers where a MoE block (`moe`: a kiln.models.layers.moe_config
     MoeShape) cannot be split over `size` ranks the way `options` asks; called at start,
     before any rank process starts. `size_name`: the setting that gave `size`."""
     shared = moe.shared_intermediate_size
