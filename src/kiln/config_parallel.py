@@ -68,6 +68,15 @@ class ParallelConfig:
         "rank processes that each run attention whole on their own requests (their own KV "
         "cache, not duplicated), the mixture-of-experts layers' experts split over them "
         "(with --enable-expert-parallel: whole experts); MoE models on this machine"))
+    # how data-parallel ranks trade tokens around a sparse block under expert parallelism
+    # (docs/moe.md "All-to-all dispatch", kiln.distributed.expert_dispatch); vLLM's name
+    all2all_backend: Literal["allgather_reducescatter", "alltoall"] = field(
+        default="allgather_reducescatter", metadata=doc(
+            "data-parallel expert exchange: allgather_reducescatter (every rank gathers every "
+            "rank's tokens, runs its experts on all of them, and the partial sums are summed) "
+            "or alltoall (each rank routes its own tokens and sends each (token, expert) row "
+            "only to the rank holding that expert, which sends the output back); alltoall "
+            "needs --data-parallel-size > 1 and --enable-expert-parallel"))
 
     def __post_init__(self):
         check_choices(self)
@@ -86,6 +95,7 @@ class ParallelConfig:
                              f"enable_expert_parallel (copies of whole experts on ranks)")
         self._check_pipeline()
         self._check_data_parallel()
+        self._check_all2all()
         self._check_nodes()
 
     def _check_data_parallel(self) -> None:
@@ -99,6 +109,16 @@ class ParallelConfig:
                 raise ValueError(f"data_parallel_size {d} with {name} {getattr(self, name)}: "
                                  f"data-parallel attention runs on one machine with whole "
                                  f"attention per rank; use one of them")
+
+    def _check_all2all(self) -> None:
+        if self.all2all_backend == "allgather_reducescatter":
+            return
+        if self.data_parallel_size < 2 or not self.enable_expert_parallel:
+            raise ValueError(f"all2all_backend {self.all2all_backend!r} dispatches tokens "
+                             f"between data-parallel ranks holding whole experts: it needs "
+                             f"data_parallel_size > 1 and enable_expert_parallel (got "
+                             f"data_parallel_size {self.data_parallel_size}, "
+                             f"enable_expert_parallel {self.enable_expert_parallel})")
 
     def _check_nodes(self) -> None:
         n, r = self.nnodes, self.node_rank

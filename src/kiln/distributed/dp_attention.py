@@ -18,6 +18,11 @@ each rank then cuts to its own. A rank with no tokens in a step joins both with 
 The token counts n_r of the step are known to every rank before its forward (rank 0's step
 command lists every rank's sequences), so `begin_step` records them once per step instead of
 one more collective per sparse layer to exchange them.
+
+That is the default `all2all_backend`, "allgather_reducescatter". With "alltoall" the
+exchange holds an `ExpertDispatch` (kiln.distributed.expert_dispatch) and the sparse blocks
+send each rank's routed tokens only to the ranks computing their pairs instead; the step's
+token counts then only place each rank's rows in the step's batch (`first_row`).
 """
 
 from __future__ import annotations
@@ -27,16 +32,20 @@ from collections.abc import Sequence
 import torch
 
 from kiln.distributed.communicator import Communicator
+from kiln.distributed.expert_dispatch import ExpertDispatch
 
 
 class TokenExchange:
     """The data-parallel ranks' exchange of hidden states (all ranks call in the same order:
     `begin_step`, then `gather` and `reduce_own` once per sparse block)."""
 
-    def __init__(self, comm: Communicator):
+    def __init__(self, comm: Communicator, all_to_all: bool = False):
         self.comm = comm
         self.rank, self.size = comm.rank, comm.world_size
         self.counts: tuple[int, ...] | None = None  # tokens per rank in the current step
+        # all2all_backend "alltoall": the sparse blocks dispatch routed pairs instead of
+        # gathering tokens (kiln.distributed.expert_dispatch)
+        self.dispatch = ExpertDispatch(comm) if all_to_all else None
 
     def begin_step(self, counts: Sequence[int]) -> None:
         """The current step's tokens on each rank (the same list on every rank)."""
@@ -60,6 +69,12 @@ class TokenExchange:
                                f"gathered {total}")
         summed = self.comm.all_reduce_(partial) if total else partial
         return summed[start:start + own]
+
+    def first_row(self) -> int:
+        """This rank's first token's index in the step's batch of every rank's tokens."""
+        if self.counts is None:
+            raise RuntimeError("data-parallel exchange used before begin_step")
+        return sum(self.counts[:self.rank])
 
     def _own_rows(self, num_rows: int) -> tuple[int, int]:
         """(offset of this rank's rows, N) in the gathered batch; checks `num_rows`."""

@@ -108,10 +108,13 @@ class FusedExperts(nn.Module):
         return tuple(f"{self.prefix}.{e}." for e in range(self.num_experts)
                      if str(e) not in self._modules)
 
-    def owners(self, experts: torch.Tensor) -> torch.Tensor:
+    def owners(self, experts: torch.Tensor, first_token: int = 0) -> torch.Tensor:
         """[T, k] rank computing each routed pair under expert parallelism: copy t mod c_e of
-        expert e's c_e copies computes token t's pair (a fixed rule: one rank's tokens)."""
-        token = torch.arange(experts.shape[0], device=experts.device).unsqueeze(1)
+        expert e's c_e copies computes token t's pair (a fixed rule: one rank's tokens). t
+        counts from `first_token`: a data-parallel rank's first row's index in the step's
+        batch of every rank's tokens (the all-to-all exchange routes only its own rows)."""
+        token = torch.arange(first_token, first_token + experts.shape[0],
+                             device=experts.device).unsqueeze(1)
         return self.copy_rank[experts, token % self.copies[experts]]
 
     def stack_weights(self) -> None:

@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.distributed.expert_dispatch import StepCounts, plan_dispatch
 from kiln.models.layers.expert_parallel import ExpertShard
 from kiln.models.layers.experts import ExpertMLP, FusedExperts, MethodFor
 from kiln.models.layers.moe_config import MoeShape
-from kiln.models.layers.moe_router import Router
+from kiln.models.layers.moe_router import Router, Routing
 from kiln.models.layers.parallel import SINGLE
 
 
@@ -58,7 +59,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_name = None
         if shape.shared_intermediate_size:
             self.shared_name = shape.shared_expert_name
-            columns = None if shard.tp.comm is None else shard.tp  # always split by columns
+            columns = shard.shared_columns()
             setattr(self, self.shared_name,
                     ExpertMLP(h, shape.shared_intermediate_size,
                               f"{prefix}.{self.shared_name}", method_for, dtype, ops, columns))
@@ -78,17 +79,47 @@ class SparseMoeBlock(nn.Module):
         return None if self.shared_name is None else getattr(self, self.shared_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shard.dispatch is not None:
+            return self.forward_dispatched(x)
         x = self.shard.gather(x)  # data-parallel attention: every rank's tokens (else x)
         routing = self.gate(x)
         owners = self.count(routing.experts)
         y = self.experts(x, routing, owners)
+        return self.shard.reduce(self.add_shared(x, y))  # routed + shared partial sums
+
+    def add_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus the shared expert's output for x (gated where the family gates it)."""
         shared_mlp = self.shared_mlp()
-        if shared_mlp is not None:
-            shared = shared_mlp(x)
-            if self.shared_expert_gate is not None:
-                shared = self.shared_expert_gate(x) * shared
-            y = y + shared
-        return self.shard.reduce(y)  # the routed and shared partial sums: one all-reduce
+        if shared_mlp is None:
+            return y
+        shared = shared_mlp(x)
+        if self.shared_expert_gate is not None:
+            shared = self.shared_expert_gate(x) * shared
+        return y + shared
+
+    def forward_dispatched(self, x: torch.Tensor) -> torch.Tensor:
+        """Data-parallel attention's all-to-all exchange (kiln.distributed.expert_dispatch):
+        x [n, H] this rank's tokens only, each sent to the ranks computing its pairs, whose
+        partial sums come back and are added here, with this rank's whole shared experts.
+        No all-reduce of the hidden states."""
+        dispatch, routing = self.shard.dispatch, self.gate(x)
+        owners = self.experts.owners(routing.experts, self.shard.exchange.first_row())
+        plan = plan_dispatch(owners, routing.experts, dispatch.size, self.experts.num_experts)
+        counts = dispatch.exchange_counts(plan)
+        self.count_step(counts)
+        got = dispatch.dispatch(x, routing.experts, routing.weights, owners, plan, counts)
+        partial = torch.zeros_like(got.rows)
+        if got.rows.shape[0]:  # the pairs computed here: the EP path on the received rows
+            mine = torch.where(got.owned, dispatch.rank, -1)
+            partial = self.experts(got.rows, Routing(got.weights, got.experts), mine)
+        y = dispatch.combine(partial, plan, counts, x.shape[0])
+        return self.add_shared(x, y.to(x.dtype))
+
+    def count_step(self, counts: StepCounts) -> None:
+        """Add a dispatched step's pairs, every rank's (the exchanged counts), to the
+        counters: the same on every rank, as under the all-gather exchange."""
+        self.expert_tokens += counts.expert_tokens().to(self.expert_tokens.device)
+        self.rank_tokens += counts.rank_tokens().to(self.rank_tokens.device)
 
     def count(self, experts: torch.Tensor) -> torch.Tensor | None:
         """Add a step's routed pairs [T, k] to the counters (an index_add: no host sync, so a

@@ -173,7 +173,8 @@ def route(logits: torch.Tensor, spec: RouterSpec,
 def group_mask(choice: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
     """[T, E] bool: True for the experts of each token's `top_k_groups` best groups, a group
     scored by the sum of its two best choice scores (DeepSeek-V3's node-limited routing)."""
-    groups = choice.view(choice.shape[0], spec.num_groups, -1)  # [T, G, E/G]
+    groups = choice.view(choice.shape[0], spec.num_groups,  # [T, G, E/G] (T may be 0)
+                         spec.num_experts // spec.num_groups)
     group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
     best = group_scores.topk(spec.top_k_groups, dim=-1).indices
     chosen = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
