@@ -46,18 +46,23 @@ class TokenExchange:
         # all2all_backend "alltoall": the sparse blocks dispatch routed pairs instead of
         # gathering tokens (kiln.distributed.expert_dispatch)
         self.dispatch = ExpertDispatch(comm) if all_to_all else None
+        # steps begun and bytes this rank put into the exchanges for the other ranks (each
+        # all-reduce publishes its whole buffer; benchmarks/moe_ep.py reads them)
+        self.steps, self.gathered_bytes = 0, 0
 
     def begin_step(self, counts: Sequence[int]) -> None:
         """The current step's tokens on each rank (the same list on every rank)."""
         if len(counts) != self.size:
             raise ValueError(f"token counts for {len(counts)} ranks; the group has {self.size}")
         self.counts = tuple(counts)
+        self.steps += 1
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's rows [n_r, H] -> every rank's [N, H], in rank order."""
         start, total = self._own_rows(x.shape[0])
         full = x.new_zeros((total, x.shape[1]))
         full[start:start + x.shape[0]] = x
+        self.gathered_bytes += full.nbytes
         return self.comm.all_reduce_(full) if total else full
 
     def reduce_own(self, partial: torch.Tensor) -> torch.Tensor:
@@ -67,8 +72,14 @@ class TokenExchange:
         if partial.shape[0] != total:
             raise RuntimeError(f"data-parallel reduce of {partial.shape[0]} rows; the step "
                                f"gathered {total}")
+        self.gathered_bytes += partial.nbytes
         summed = self.comm.all_reduce_(partial) if total else partial
         return summed[start:start + own]
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes this rank has put into either exchange for the other ranks since start."""
+        return self.gathered_bytes + (0 if self.dispatch is None else self.dispatch.sent_bytes)
 
     def first_row(self) -> int:
         """This rank's first token's index in the step's batch of every rank's tokens."""
