@@ -22,7 +22,7 @@ computes any of its k pairs, with its routing, and comes back as that rank's par
 
 A rank sends each of its tokens at most min(k, D) times (to itself included) and gets back as
 many rows, where the all-gather exchange puts the step's whole [N, H] batch through two
-all-reduces (docs/decisions/0018). The counts cannot ride the step command as the all-gather's
+all-reduces (docs/decisions/0019). The counts cannot ride the step command as the all-gather's
 token counts do: routing happens inside the forward, per rank.
 """
 
