@@ -99,7 +99,10 @@ class GlooCommunicator:
 
     def all_to_all(self, send: torch.Tensor, send_rows: list[int],
                    recv_rows: list[int]) -> torch.Tensor:
-        """gloo's all_to_all_single with per-rank splits, on the rows' bytes (any dtype)."""
+        """gloo's all_to_all_single with per-rank splits, on the rows' bytes (any dtype;
+        rows off the CPU are staged through host memory)."""
+        if send.device.type != "cpu":
+            return self.all_to_all(send.cpu(), send_rows, recv_rows).to(send.device)
         recv = send.new_empty((sum(recv_rows), *send.shape[1:]))
         bounded(lambda: self.group.alltoall_base(
             _bytes(recv), _bytes(send.contiguous()), list(recv_rows), list(send_rows),
@@ -133,6 +136,8 @@ class ShmCommunicator(GlooCommunicator):
                    recv_rows: list[int]) -> torch.Tensor:
         """Through the shared segment too (ShmAllReduce.all_to_all): each rank writes its
         rows once, every rank copies out the rows meant for it."""
+        if send.device.type != "cpu":
+            return self.all_to_all(send.cpu(), send_rows, recv_rows).to(send.device)
         recv = send.new_empty((sum(recv_rows), *send.shape[1:]))
         row = math.prod(send.shape[1:]) * send.element_size()
         bounded(lambda: self.shm.all_to_all(
