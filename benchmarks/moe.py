@@ -188,7 +188,7 @@ def measure(path: str, fmt: str, prompts: list[list[int]], s: Shape, reps: int,
 def fused_moe_use(llm) -> dict | None:
     """Which path served the MoE layers (None for a dense model): the fused kernel's weight
     format (None: it did not run) and the layer-steps each path served, summed over layers."""
-    from kiln.models.layers.moe import FusedExperts
+    from kiln.models.layers.experts import FusedExperts
 
     blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts)]
     if not blocks:

@@ -15,6 +15,9 @@ runs in a fresh process, bf16 (or --format int8):
            each sparse block (docs/moe.md, "Data-parallel attention"; not in the default
            --layouts: add it, e.g. --layouts one,ep2,dp2)
   dp2-cols data_parallel_size 2, every expert split by columns over the two ranks
+  dp2-a2a  dp2 with all2all_backend alltoall: each rank routes its own tokens and sends each
+           only to the rank computing its pairs, which sends the partial sums back
+           (docs/moe.md, "All-to-all dispatch"; not in the default --layouts)
 
 Rows per layout: batch1 (one 128-token prompt, 128 greedy tokens: prefill ms, decode tok/s,
 decode time = the whole request's minus a 1-token request's) and batch32 (32 x 128/128 at
@@ -23,10 +26,15 @@ expert, and per rank under EP; mean over layers) of the batch-32 run, the engine
 (all ranks' pools: data-parallel ranks each hold a pool as large as one process's), and whether
 the batch-32 greedy tokens equal one process's (bf16: rounding differs between layouts, so a
 few may not). A batch-1 request runs on one data-parallel rank while the other only joins the
-expert exchanges: dp2 is for batches.
+expert exchanges: dp2 is for batches. The dp2 layouts' batch rows also carry the bytes rank 0
+put into the expert exchanges for the other rank per step of the batch run (counted:
+`exchange_bytes_per_step`) and, computed from the shape, for a decode step of the whole batch
+(`decode_step_bytes_model`: 16 tokens per rank, every token sent to the other rank under
+alltoall, which at top 8 of 64 experts over 2 ranks misses about 1 token in 200).
 
 usage: python benchmarks/moe_ep.py [--dir /tmp/kiln-moe-bench] [--threads 4] [--reps 3]
-       [--format bf16|int8] [--redundant 8] [--layouts one,tp2,ep2,ep2-r,dp2,dp2-cols]
+       [--format bf16|int8] [--redundant 8]
+       [--layouts one,tp2,ep2,ep2-r,dp2,dp2-cols,dp2-a2a]
        [--out benchmarks/results/moe_ep.json]
        smoke check (toy model, few tokens): python benchmarks/moe_ep.py --tiny
 """
@@ -56,7 +64,9 @@ def layout_settings(layout: str, args, root: Path) -> dict:
         return dict(num_threads=args.threads)
     if layout.startswith("dp2"):
         return dict(data_parallel_size=2, num_threads=max(1, args.threads // 2),
-                    enable_expert_parallel=layout == "dp2")
+                    enable_expert_parallel=layout != "dp2-cols",
+                    all2all_backend="alltoall" if layout == "dp2-a2a" else
+                    "allgather_reducescatter")
     two = dict(tensor_parallel_size=2, num_threads=max(1, args.threads // 2))
     if layout == "tp2":
         return two
@@ -87,9 +97,9 @@ def measure(layout: str, args, root: Path, shape) -> list[dict]:
     reps = args.reps
     total = statistics.median(run(prompts[:1], shape.new_tokens)[0] for _ in range(reps))
     prefill = statistics.median(run(prompts[:1], 1)[0] for _ in range(reps))
-    before = llm.expert_load()
+    before, sent = llm.expert_load(), exchange_counters(llm)
     many, tokens = run(prompts, shape.new_tokens)
-    load = llm.expert_load()
+    load, exchanged = llm.expert_load(), exchange_counters(llm)
     if layout == "one":
         load.save(root / LOAD_FILE)  # what ep2-r places its copies from
     (root / f"tokens-{layout}.json").write_text(json.dumps(tokens))
@@ -99,7 +109,36 @@ def measure(layout: str, args, root: Path, shape) -> list[dict]:
                  decode_tok_s=round((shape.new_tokens - 1) / (total - prefill), 1)),
             dict(base, test=f"batch{len(prompts)}",
                  out_tok_s=round(len(prompts) * shape.new_tokens / many, 1),
-                 kv_blocks=llm.engine.kv.stats().num_blocks, **imbalance(before, load))]
+                 kv_blocks=llm.engine.kv.stats().num_blocks, **imbalance(before, load),
+                 **exchange_row(layout, shape, sent, exchanged))]
+
+
+def exchange_counters(llm) -> tuple[int, int] | None:
+    """(steps, bytes sent to the other ranks) of rank 0's expert exchange (None: no DP)."""
+    dp = llm.engine.runner.data_parallel
+    return None if dp is None else (dp.exchange.steps, dp.exchange.sent_bytes)
+
+
+def exchange_row(layout: str, shape, before, after) -> dict:
+    if before is None:
+        return {}
+    steps, sent = after[0] - before[0], after[1] - before[1]
+    return dict(exchange_bytes_per_step=round(sent / max(steps, 1)),
+                decode_step_bytes_model=decode_step_bytes(layout, shape))
+
+
+def decode_step_bytes(layout: str, shape, ranks: int = 2, bf16: int = 2) -> int:
+    """Bytes a rank puts into the expert exchanges for the other rank in one decode step of
+    the whole batch (`shape.batch` sequences, as many per rank), bf16, computed: the
+    all-gather exchange publishes the step's [N, H] twice per sparse layer; the all-to-all
+    sends a table row, its n tokens with their routing (k ids + k weights, 8k bytes) and the
+    n partial sums it computed for the other rank."""
+    n, h, k, e = shape.batch // ranks, shape.hidden, shape.top_k, shape.experts
+    if layout != "dp2-a2a":
+        per_layer = 2 * shape.batch * h * bf16
+    else:
+        per_layer = 4 * (2 * ranks + e) + n * (h * bf16 + 8 * k) + n * h * bf16
+    return per_layer * shape.layers
 
 
 def imbalance(before, after) -> dict:

@@ -13,8 +13,9 @@ from kiln.distributed.step_channel import HEADER_BYTES
 from kiln.models.layers.parallel import HeadSplit, TensorParallel, check_tensor_parallel
 
 
-def run_ranks(body) -> list:
-    """body(group) on rank 0 and rank 1 at once; their results, in rank order."""
+def run_ranks(body, all_reduce: str = "gloo") -> list:
+    """body(group) on rank 0 and rank 1 at once; their results, in rank order. `all_reduce`:
+    the group's (gloo, or shm: shared memory)."""
     store = open_store(2, 30)
     results: list = [None, None]
     errors: list[BaseException] = []
@@ -22,7 +23,7 @@ def run_ranks(body) -> list:
     def rank(r: int) -> None:
         try:
             s = store if r == 0 else join_store(store.port, 2, 30)
-            group = join_groups(s, r, 2, 30, "gloo")
+            group = join_groups(s, r, 2, 30, all_reduce, name=f"test-{store.port}")
             results[r] = body(group)
             group.close()
         except BaseException as exc:  # re-raised in the test's thread

@@ -1,6 +1,7 @@
 """The shared-memory all-reduce against gloo's, between real processes: exact in fp32 (a sum of
 two numbers does not depend on their order), bf16 equal to the fp32 sum of every rank's bf16
-values rounded once; many consecutive calls (the double-buffered slots reused); a rank that
+values rounded once; many consecutive calls (the double-buffered slots reused); all-to-all
+calls as gloo's, interleaved with all-reduces, and ranks that disagree named; a rank that
 dies fails the others' next call within the timeout; bad arguments fail at once."""
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def _two_ranks(rank: int, store: str, name: str) -> None:
     _matches_gloo(rank, name + "-gloo")
     _consecutive_calls(rank, name + "-calls")
     _mismatched_tensors(rank, name + "-mismatch")
+    _all_to_all_matches_gloo(rank, name + "-a2a")
+    _all_to_all_mismatches(rank, name + "-a2a-mismatch")
     dist.destroy_process_group()
     _one_rank_exits(rank, name + "-exit")
 
@@ -121,6 +124,55 @@ def _mismatched_tensors(rank: int, name: str) -> None:
     shm.close()
 
 
+# all-to-all calls: rows each rank sends each rank (rank-major), of rows [R, 5] int32 (20
+# bytes): from none to ~20 windows of the 4096-byte chunk (less its 64-byte header of offsets)
+A2A_ROWS = [[[0, 0], [0, 0]], [[1, 2], [3, 0]], [[700, 3], [0, 2500]], [[0, 4000], [1, 0]],
+            [[5, 6], [7, 8]]]
+
+
+def _all_to_all_matches_gloo(rank: int, name: str) -> None:
+    """Every call's rows arrive as gloo's all_to_all_single delivers them, the all-to-all
+    steps interleaved with all-reduces on the same segment (its step counter)."""
+    shm = ShmAllReduce(name, rank, WORLD, CHUNK_BYTES, timeout_s=60)
+    for call, rows in enumerate(A2A_ROWS):
+        send_rows, recv_rows = rows[rank], [rows[r][rank] for r in range(WORLD)]
+        send = (torch.arange(sum(send_rows) * 5) * (rank + 1) + call).to(torch.int32)
+        send = send.view(-1, 5)
+        expected = torch.empty(sum(recv_rows), 5, dtype=torch.int32)
+        dist.all_to_all_single(expected, send, recv_rows, send_rows)
+        got = torch.empty_like(expected)
+        shm.all_to_all(send, [n * 20 for n in send_rows], got, [n * 20 for n in recv_rows])
+        assert torch.equal(got, expected), f"call {call}"
+        x = torch.full((700,), float(rank + call))
+        shm.all_reduce_(x)
+        assert x.tolist() == [float(1 + 2 * call)] * 700
+    shm.close()
+
+
+def _all_to_all_mismatches(rank: int, name: str) -> None:
+    """A rank expecting other sizes than its peer sends it, or whose peer calls all-reduce
+    meanwhile, fails with a message naming them."""
+    shm = ShmAllReduce(name, rank, WORLD, CHUNK_BYTES, timeout_s=60)
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="rank 0 expects 8 bytes from rank 1, which "
+                                               "sends it 4"):
+            shm.all_to_all(torch.zeros(4, dtype=torch.uint8), [4, 0], torch.zeros(12,
+                           dtype=torch.uint8), [4, 8])
+    else:  # what it expects is what rank 0 sends it: only rank 0 can tell
+        shm.all_to_all(torch.zeros(4, dtype=torch.uint8), [4, 0], torch.zeros(0,
+                       dtype=torch.uint8), [0, 0])
+    shm.close()
+    other = ShmAllReduce(name + "-kind", rank, WORLD, CHUNK_BYTES, timeout_s=60)
+    with pytest.raises(RuntimeError, match="exchanges all-to-all|every rank must call the "
+                                           "same collective"):
+        if rank == 0:
+            other.all_reduce_(torch.ones(4))
+        else:
+            other.all_to_all(torch.zeros(0, dtype=torch.uint8), [0, 0],
+                             torch.zeros(0, dtype=torch.uint8), [0, 0])
+    other.close()
+
+
 def _one_rank_exits(rank: int, name: str) -> None:
     """Rank 1 exits after attaching; rank 0's next call fails within its 2-second timeout."""
     shm = ShmAllReduce(name, rank, WORLD, CHUNK_BYTES, timeout_s=2)
@@ -140,7 +192,8 @@ def test_two_ranks_match_gloo_reuse_slots_and_fail_fast(tmp_path):
     name = unique_name()
     run_ranks(_two_ranks, str(tmp_path / "store"), name)
     assert not any(segment_path(name + suffix).exists()
-                   for suffix in ("-gloo", "-calls", "-mismatch", "-exit"))
+                   for suffix in ("-gloo", "-calls", "-mismatch", "-a2a", "-a2a-mismatch",
+                                  "-a2a-mismatch-kind", "-exit"))
 
 
 def test_a_rank_alone_gives_up_within_the_timeout():

@@ -33,8 +33,9 @@ from kiln.kernels.moe_experts import (
 )
 from kiln.kernels.quant_mm import int8_vnni_max_tokens, int8_vnni_wanted
 from kiln.models.layers.expert_parallel import ExpertShard, place_experts
+from kiln.models.layers.experts import FusedExperts
 from kiln.models.layers.linear import get_linear_method
-from kiln.models.layers.moe import FusedExperts, Routing
+from kiln.models.layers.moe_router import Routing
 from kiln.models.layers.ops import KernelOps, TorchOps
 from kiln.models.layers.parallel import TensorParallel
 from tests.kernels.common import needs_cpu_kernels

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.models.layers.moe import UnsupportedVariant
+from kiln.models.layers.moe_router import UnsupportedVariant
 from tests.parity.test_moe_parity import PROMPTS, assert_logprobs_match, hf_greedy, hf_model
 
 _MLA = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64, "intermediate_size": 96,

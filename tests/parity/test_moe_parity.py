@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.models.layers.moe import UnsupportedVariant
+from kiln.models.layers.moe_router import UnsupportedVariant
 
 PROMPTS = [
     "The quick brown fox",

@@ -15,7 +15,9 @@ from kiln.models.layers.expert_parallel import (
     collect_expert_load,
     place_experts,
 )
-from kiln.models.layers.moe import FusedExperts, MoeShape, SparseMoeBlock
+from kiln.models.layers.experts import FusedExperts
+from kiln.models.layers.moe import SparseMoeBlock
+from kiln.models.layers.moe_config import MoeShape
 from kiln.models.layers.ops import TorchOps
 from kiln.models.layers.parallel import TensorParallel
 from kiln.serve.metrics import expert_load_metrics

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kiln.models.glm4_moe import Glm4MoeArch, PartialRotaryOps
-from kiln.models.layers.moe import Scoring, UnsupportedVariant
+from kiln.models.layers.moe_router import Scoring, UnsupportedVariant
 from kiln.models.layers.ops import TorchOps
 
 # GLM-4.5-Air's config.json (as Z.ai publishes it), the sizes that matter here

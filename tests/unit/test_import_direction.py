@@ -21,8 +21,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 LEAVES = frozenset({
-    "kiln.config", "kiln.config_fields", "kiln.config_speculative", "kiln.sampling_params", "kiln.outputs",
-    "kiln.version",
+    "kiln.config", "kiln.config_fields", "kiln.config_parallel", "kiln.config_speculative",
+    "kiln.sampling_params", "kiln.outputs", "kiln.version",
     "kiln.engine.contract", "kiln.models.layers.attention",
 })
 ENTRY_POINTS = frozenset({"kiln", "kiln.cli", "kiln.llm", "kiln.config_cli"})

@@ -7,18 +7,10 @@ import math
 import pytest
 import torch
 
-from kiln.models.layers.moe import (
-    FusedExperts,
-    MoeShape,
-    RouterSpec,
-    Routing,
-    Scoring,
-    SparseMoeBlock,
-    UnsupportedVariant,
-    check_moe_fields,
-    deepseek_moe_shape,
-    route,
-)
+from kiln.models.layers.experts import FusedExperts
+from kiln.models.layers.moe import SparseMoeBlock
+from kiln.models.layers.moe_config import MoeShape, check_moe_fields, deepseek_moe_shape
+from kiln.models.layers.moe_router import RouterSpec, Routing, Scoring, UnsupportedVariant, route
 from kiln.models.layers.ops import TorchOps
 
 # softmax(log p) = p: the scores are exactly 0.4, 0.3, 0.2, 0.1 (experts 2, 0, 3, 1)

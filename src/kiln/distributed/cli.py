@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from kiln.assembly import register_plugins
-from kiln.config import ParallelConfig, split_host_port
+from kiln.config import ParallelConfig
+from kiln.config_parallel import split_host_port
 from kiln.distributed.communicator import RankFailure
 from kiln.distributed.launch import (
     RankGroup,

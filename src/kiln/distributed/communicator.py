@@ -1,10 +1,12 @@
 """The collectives tensor parallelism calls, behind one small protocol.
 
 A `Communicator` is what a sharded layer holds: `all_reduce_` after a row-parallel matmul
-(and the vocab-parallel embedding), `gather_to_first` for the LM head's logits. The gloo
+(and the vocab-parallel embedding), `gather_to_first` for the LM head's logits,
+`all_to_all` for data-parallel ranks' dispatch of routed tokens (kiln.distributed.
+expert_dispatch). The gloo
 implementation here runs on any machine; a faster one (shared memory between ranks on one
-machine, NCCL on GPUs) is another class with the same four members: `ShmCommunicator`
-sums through kiln.distributed.shm_allreduce and gathers over gloo.
+machine, NCCL on GPUs) is another class with the same members: `ShmCommunicator` sums and
+exchanges all-to-all through kiln.distributed.shm_allreduce and gathers over gloo.
 
 Every collective is bounded: a rank that died makes the others' next collective fail at once
 (gloo sees the closed connection), one that hangs makes it fail after `timeout_s`. Either way
@@ -13,6 +15,7 @@ the caller gets a `RankFailure` naming what happened, never a hang.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Protocol, TypeVar
@@ -41,6 +44,12 @@ class Communicator(Protocol):
     def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Rank 0 gets every rank's `tensor` (same shape and dtype on all), in rank order;
         the other ranks get None."""
+
+    def all_to_all(self, send: torch.Tensor, send_rows: list[int],
+                   recv_rows: list[int]) -> torch.Tensor:
+        """Rows of `send` [sum(send_rows), ...] go to the ranks in order (send_rows[j] rows
+        to rank j); returns the rows received [sum(recv_rows), ...], rank 0's first.
+        recv_rows[j] must be what rank j sends this rank; same dtype and row width on all."""
 
 
 def open_gloo_group(store: dist.Store, name: str, rank: int, world_size: int,
@@ -88,6 +97,18 @@ class GlooCommunicator:
                 self.timeout_s)
         return out[0] if self.rank == 0 else None
 
+    def all_to_all(self, send: torch.Tensor, send_rows: list[int],
+                   recv_rows: list[int]) -> torch.Tensor:
+        """gloo's all_to_all_single with per-rank splits, on the rows' bytes (any dtype;
+        rows off the CPU are staged through host memory)."""
+        if send.device.type != "cpu":
+            return self.all_to_all(send.cpu(), send_rows, recv_rows).to(send.device)
+        recv = send.new_empty((sum(recv_rows), *send.shape[1:]))
+        bounded(lambda: self.group.alltoall_base(
+            _bytes(recv), _bytes(send.contiguous()), list(recv_rows), list(send_rows),
+            dist.AllToAllOptions()).wait(), "all-to-all", self.timeout_s)
+        return recv
+
     def close(self) -> None:
         """Release the group's connections (safe after a failure, unlike its destructor)."""
         self.group.shutdown()
@@ -111,6 +132,19 @@ class ShmCommunicator(GlooCommunicator):
                 self.timeout_s)
         return tensor
 
+    def all_to_all(self, send: torch.Tensor, send_rows: list[int],
+                   recv_rows: list[int]) -> torch.Tensor:
+        """Through the shared segment too (ShmAllReduce.all_to_all): each rank writes its
+        rows once, every rank copies out the rows meant for it."""
+        if send.device.type != "cpu":
+            return self.all_to_all(send.cpu(), send_rows, recv_rows).to(send.device)
+        recv = send.new_empty((sum(recv_rows), *send.shape[1:]))
+        row = math.prod(send.shape[1:]) * send.element_size()
+        bounded(lambda: self.shm.all_to_all(
+            send.contiguous(), [n * row for n in send_rows], recv,
+            [n * row for n in recv_rows]), "shared-memory all-to-all", self.timeout_s)
+        return recv
+
     def reduce_inside(self, kernel: Callable[[torch.Tensor, int, float], T], what: str) -> T:
         """`kernel(segment, rank, timeout_s)`: a C++ kernel that all-reduces through this
         group from inside itself (ShmAllReduce.inside; the fused decoder stack). Its failed
@@ -126,6 +160,13 @@ class ShmCommunicator(GlooCommunicator):
     def close(self) -> None:
         self.shm.close()
         super().close()
+
+
+def _bytes(rows: torch.Tensor) -> torch.Tensor:
+    """[R, ...] -> its bytes [R, row bytes] uint8 (a view)."""
+    row_bytes = rows[0].numel() * rows.element_size() if rows.shape[0] else \
+        math.prod(rows.shape[1:]) * rows.element_size()
+    return rows.view(torch.uint8).view(rows.shape[0], row_bytes)
 
 
 def shm_available() -> bool:

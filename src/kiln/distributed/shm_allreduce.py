@@ -82,6 +82,21 @@ class ShmAllReduce:
             self._failure = str(exc).splitlines()[0]
             raise
 
+    def all_to_all(self, send: torch.Tensor, send_bytes: list[int], recv: torch.Tensor,
+                   recv_bytes: list[int]) -> None:
+        """send_bytes[j] bytes of `send` (rank order) to rank j; recv_bytes[j] from rank j
+        into `recv` (rank order). Contiguous CPU tensors of any dtype. Collective with
+        `all_reduce_`: the same segment and step counter, in windows of the chunk (less a
+        header line of offsets) while any rank has more to send (docs/shm_allreduce.md,
+        "All-to-all")."""
+        self._check_usable()
+        try:
+            torch.ops.kiln.shm_all_to_all(send, send_bytes, recv, recv_bytes, self._segment,
+                                          self.rank, self.timeout_s)
+        except RuntimeError as exc:
+            self._failure = str(exc).splitlines()[0]
+            raise
+
     def inside(self, kernel: Callable[[torch.Tensor, int, float], T]) -> T:
         """`kernel(segment, rank, timeout_s)`: a C++ kernel that calls kiln::shm_all_reduce
         itself (the fused decoder stack reduces after each row-parallel projection), with

@@ -9,7 +9,7 @@ stacked by expert into one tensor per projection; the kernel
 groups a step's (token, slot) pairs by expert itself, runs every active expert's gate/up,
 silu * up and down in one parallel region, and returns the routing-weighted sum per token. A step reads only
 the experts it routes to. Why this layout and split: docs/decisions/0015. Torch reference:
-the per-expert path of kiln.models.layers.moe.FusedExperts (tests/kernels/test_moe_kernel.py).
+the per-expert path of kiln.models.layers.experts.FusedExperts (tests/kernels/test_moe_kernel.py).
 """
 
 from __future__ import annotations

@@ -25,7 +25,9 @@ from kiln.models.layers.expert_parallel import expert_shard, experts_elsewhere
 from kiln.models.layers.kv_layout import CacheLayout
 from kiln.models.layers.linear import Linear, LinearMethod
 from kiln.models.layers.mla import DeepseekRope, MlaShape, MultiHeadLatentAttention, RopeTables
-from kiln.models.layers.moe import MoeShape, SparseMoeBlock, UnsupportedVariant, deepseek_moe_shape
+from kiln.models.layers.moe import SparseMoeBlock
+from kiln.models.layers.moe_config import MoeShape, deepseek_moe_shape
+from kiln.models.layers.moe_router import UnsupportedVariant
 from kiln.models.layers.norm import RMSNorm
 from kiln.models.layers.ops import TorchOps
 from kiln.models.layers.parallel import SINGLE, TensorParallel

@@ -7,7 +7,7 @@ Llama's pre-norm block, x + Attn(RMSNorm(x)) then h + FFN(RMSNorm(h)), differing
   first `partial_rotary_factor * head_dim` dimensions of each q/k head rotate (rotate-half
   layout over those), the rest pass through unchanged;
 - feed-forward: the first `first_k_dense_replace` layers keep a dense SwiGLU MLP, every later
-  one is DeepSeek-V3's sparse block (kiln.models.layers.moe.deepseek_moe_shape): a sigmoid
+  one is DeepSeek-V3's sparse block (kiln.models.layers.moe_config.deepseek_moe_shape): a sigmoid
   router with the score-correction bias and grouped top-k, `n_shared_experts` always-on
   experts named `shared_experts`.
 
@@ -27,11 +27,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kiln.models.layers.expert_parallel import experts_elsewhere
-from kiln.models.layers.moe import (
-    MoeShape,
-    UnsupportedVariant,
-    deepseek_moe_shape,
-)
+from kiln.models.layers.moe_config import MoeShape, deepseek_moe_shape
+from kiln.models.layers.moe_router import UnsupportedVariant
 from kiln.models.layers.ops import TorchOps, split_heads
 from kiln.models.layers.rotary import RotaryEmbedding
 from kiln.models.llama import LlamaArch, LlamaForCausalLM

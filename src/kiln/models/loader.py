@@ -19,8 +19,9 @@ from torch import nn
 import kiln.models.layers.cpu_bf16  # noqa: F401  (registers dense-bf16-fp32)
 import kiln.models.layers.onednn  # noqa: F401  (registers dense-onednn)
 import kiln.models.layers.vnni  # noqa: F401  (registers dense-vnni)
+from kiln.models.layers.experts import FusedExperts
 from kiln.models.layers.linear import Linear, LinearMethod, get_linear_method
-from kiln.models.layers.moe import FusedExperts, Router
+from kiln.models.layers.moe_router import Router
 from kiln.models.registry import resolve_architecture
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -15,13 +15,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kiln.models.layers.expert_parallel import expert_shard, experts_elsewhere
-from kiln.models.layers.moe import (
-    MoeShape,
-    RouterSpec,
-    Scoring,
-    SparseMoeBlock,
-    check_moe_fields,
-)
+from kiln.models.layers.moe import SparseMoeBlock
+from kiln.models.layers.moe_config import MoeShape, check_moe_fields
+from kiln.models.layers.moe_router import RouterSpec, Scoring
 from kiln.models.llama import PACKED_MODULES, LlamaArch, LlamaDecoderLayer, LlamaForCausalLM
 
 # HF expert module name -> (kiln fused module, shard index)

@@ -13,14 +13,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kiln.models.layers.expert_parallel import expert_shard, experts_elsewhere
-from kiln.models.layers.moe import (
-    MoeShape,
-    RouterSpec,
-    Scoring,
-    SparseMoeBlock,
-    UnsupportedVariant,
-    check_moe_fields,
-)
+from kiln.models.layers.moe import SparseMoeBlock
+from kiln.models.layers.moe_config import MoeShape, check_moe_fields
+from kiln.models.layers.moe_router import RouterSpec, Scoring, UnsupportedVariant
 from kiln.models.llama import LlamaArch, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 # routing entries of a Qwen MoE config.json that kiln reads or may ignore (training only);

@@ -45,7 +45,7 @@ def attention_parallel(parallel: ParallelConfig,
     """The model's TensorParallel under data-parallel attention: no split (attention, dense
     layers, embedding and LM head whole on every rank), with the experts over the D ranks
     of `comm` and their tokens exchanged by the returned TokenExchange."""
-    exchange = TokenExchange(comm)
+    exchange = TokenExchange(comm, all_to_all=parallel.all2all_backend == "alltoall")
     options = dataclasses.replace(ExpertParallelOptions.from_parallel(parallel),
                                   data_parallel=exchange)
     return TensorParallel(None, options), exchange

@@ -29,8 +29,10 @@ from torch.nn.modules import module as torch_module
 
 from kiln.distributed.communicator import ShmCommunicator
 from kiln.kernels.moe_experts import ExpertFormat, StackedExperts
+from kiln.models.layers.experts import FusedExperts
 from kiln.models.layers.linear import NO_SCALE, Linear, StackTensors
-from kiln.models.layers.moe import FusedExperts, Scoring, SparseMoeBlock
+from kiln.models.layers.moe import SparseMoeBlock
+from kiln.models.layers.moe_router import Scoring
 from kiln.models.llama import LlamaForCausalLM
 from kiln.runner.attention import CpuAttentionMetadata, CpuPagedAttention
 

@@ -36,7 +36,8 @@ import time
 import msgspec
 import torch
 
-from kiln.config import CacheConfig, ModelConfig, ParallelConfig, split_host_port
+from kiln.config import CacheConfig, ModelConfig, ParallelConfig
+from kiln.config_parallel import split_host_port
 from kiln.distributed.communicator import RankFailure, shm_available
 from kiln.distributed.launch import (
     LOOPBACK,

@@ -11,10 +11,16 @@
 // Two buffers per rank need no "finished reading" flag: rank r overwrites buffer s % 2 at step
 // s + 2, which it enters only after seeing every rank publish s + 1, and a rank publishes s + 1
 // only after it has finished reading step s. The same holds for the parity-indexed sizes.
+//
+// An all-to-all takes steps of the same counter: each rank publishes a window of its send
+// stream behind a header of its per-destination byte offsets, and every rank copies from
+// every rank's window the bytes meant for it; steps repeat while any rank's stream goes on.
 
 #include "allreduce.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <chrono>
 #include <new>
 #include <string>
@@ -27,6 +33,7 @@ namespace {
 constexpr uint64_t kMagic = 0x31305241'6e6c696bULL;  // "kilnAR01"
 constexpr int64_t kLine = 64;                         // one cache line: no false sharing
 constexpr int64_t kMaxRanks = 64;
+constexpr int64_t kAllToAllDtype = -1;              // what an all-to-all step records as dtype
 constexpr int kSpins = 1 << 10;                       // busy polls before yielding the core
 constexpr int64_t kGrain = 1 << 16;                   // elements per thread of the sum
 
@@ -176,6 +183,8 @@ void check_same_chunk(const Segment& seg, int64_t peer, int64_t rank, uint64_t s
                       int64_t count, int64_t dtype) {
   const RankControl& other = seg.control[peer];
   const int64_t their_count = other.elements[step & 1], their_dtype = other.dtype[step & 1];
+  TORCH_CHECK(their_dtype != kAllToAllDtype, "shm all-reduce: rank ", rank, " reduces but rank ",
+              peer, " exchanges all-to-all: every rank must call the same collective");
   TORCH_CHECK(their_count == count && their_dtype == dtype, "shm all-reduce: rank ", rank,
               " reduces a chunk of ", count, " elements of ", c10::ScalarType(dtype),
               " but rank ", peer, " one of ", their_count, " of ", c10::ScalarType(their_dtype),
@@ -214,7 +223,89 @@ void reduce_chunks(T* data, int64_t n, int64_t dtype, const Segment& seg, int64_
     reduce_step(data + offset, std::min(per_chunk, n - offset), dtype, seg, rank, timeout_s);
 }
 
+// An all-to-all step's buffer: this header line(s), then a window of the rank's send stream.
+// offsets[j] .. offsets[j + 1] are the stream's bytes for rank j; total = offsets[world_size].
+
+int64_t all_to_all_header_bytes(int64_t world_size) {
+  return (static_cast<int64_t>(sizeof(int64_t)) * (world_size + 1) + kLine - 1) / kLine * kLine;
+}
+
+void check_all_to_all_peer(const Segment& seg, int64_t peer, int64_t rank, uint64_t step,
+                           const int64_t* offsets, int64_t expected) {
+  TORCH_CHECK(seg.control[peer].dtype[step & 1] == kAllToAllDtype, "shm all-to-all: rank ",
+              rank, " exchanges all-to-all but rank ", peer, " called another collective");
+  const int64_t sent = offsets[rank + 1] - offsets[rank];
+  TORCH_CHECK(sent == expected, "shm all-to-all: rank ", rank, " expects ", expected,
+              " bytes from rank ", peer, ", which sends it ", sent);
+}
+
+// One step: publish window `window` (of `data_bytes` per step) of this rank's send stream,
+// then copy from every rank's window the part of its stream meant for this rank. Returns
+// whether any rank's stream goes past this window (the same answer on every rank).
+bool all_to_all_step(const char* send, const int64_t* offsets, char* recv,
+                     const int64_t* recv_at, const int64_t* recv_bytes, int64_t window,
+                     const Segment& seg, int64_t rank, double timeout_s) {
+  RankControl& self = seg.control[rank];
+  const uint64_t step = self.published.load(std::memory_order_relaxed) + 1;
+  const int64_t head = all_to_all_header_bytes(seg.world_size);
+  const int64_t data_bytes = seg.chunk_bytes - head, lo = window * data_bytes;
+  const int64_t total = offsets[seg.world_size];
+  char* own = seg.buffer(rank, step);
+  std::memcpy(own, offsets, sizeof(int64_t) * (seg.world_size + 1));
+  if (total > lo) std::memcpy(own + head, send + lo, std::min(data_bytes, total - lo));
+  self.elements[step & 1] = 0;
+  self.dtype[step & 1] = kAllToAllDtype;
+  self.published.store(step, std::memory_order_release);
+
+  bool more = false;
+  for (int64_t r = 0; r < seg.world_size; ++r) {
+    if (r != rank) await_step(seg, r, rank, step, timeout_s);
+    const char* theirs = seg.buffer(r, step);
+    int64_t peer[kMaxRanks + 1];
+    std::memcpy(peer, theirs, sizeof(int64_t) * (seg.world_size + 1));
+    check_all_to_all_peer(seg, r, rank, step, peer, recv_bytes[r]);
+    const int64_t begin = std::max(peer[rank], lo);
+    const int64_t end = std::min(peer[rank + 1], lo + data_bytes);
+    if (end > begin)
+      std::memcpy(recv + recv_at[r] + (begin - peer[rank]), theirs + head + (begin - lo),
+                  end - begin);
+    more = more || peer[seg.world_size] > lo + data_bytes;
+  }
+  return more;
+}
+
 }  // namespace
+
+void shm_all_to_all(const at::Tensor& send, at::IntArrayRef send_bytes, at::Tensor& recv,
+                    at::IntArrayRef recv_bytes, at::Tensor& segment, int64_t rank,
+                    double timeout_s) {
+  const Segment seg = view(segment);
+  const int64_t w = seg.world_size;
+  TORCH_CHECK(0 <= rank && rank < w, "shm all-to-all: rank ", rank, " is outside [0, ", w, ")");
+  TORCH_CHECK(static_cast<int64_t>(send_bytes.size()) == w &&
+                  static_cast<int64_t>(recv_bytes.size()) == w,
+              "shm all-to-all: need one send and one receive size per rank (", w, ")");
+  TORCH_CHECK(seg.chunk_bytes > all_to_all_header_bytes(w),
+              "shm all-to-all: chunks of ", seg.chunk_bytes, " bytes leave no room for data");
+  TORCH_CHECK(send.device().is_cpu() && send.is_contiguous() && recv.device().is_cpu() &&
+                  recv.is_contiguous(),
+              "shm all-to-all: send and recv must be contiguous CPU tensors");
+  int64_t offsets[kMaxRanks + 1] = {0}, recv_at[kMaxRanks] = {0};
+  for (int64_t j = 0; j < w; ++j) {
+    offsets[j + 1] = offsets[j] + send_bytes[j];
+    if (j) recv_at[j] = recv_at[j - 1] + recv_bytes[j - 1];
+  }
+  TORCH_CHECK(offsets[w] == send.nbytes() && recv_at[w - 1] + recv_bytes[w - 1] == recv.nbytes(),
+              "shm all-to-all: the sizes do not add up to the tensors' ", send.nbytes(),
+              " and ", recv.nbytes(), " bytes");
+  const auto* src = static_cast<const char*>(send.data_ptr());
+  auto* dst = static_cast<char*>(recv.data_ptr());
+  for (int64_t window = 0;
+       all_to_all_step(src, offsets, dst, recv_at, recv_bytes.data(), window, seg, rank,
+                       timeout_s);
+       ++window) {
+  }
+}
 
 int64_t shm_segment_bytes(int64_t world_size, int64_t chunk_bytes) {
   TORCH_CHECK(1 <= world_size && world_size <= kMaxRanks, "shm all-reduce: world size ",

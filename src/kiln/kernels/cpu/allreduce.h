@@ -27,4 +27,13 @@ void shm_segment_join(at::Tensor& segment, int64_t rank, int64_t world_size,
 // waiting timeout_s for a rank that does not arrive.
 void shm_all_reduce(at::Tensor& x, at::Tensor& segment, int64_t rank, double timeout_s);
 
+// Each rank sends send_bytes[j] bytes of `send` (in rank order) to rank j and receives
+// recv_bytes[j] from rank j into `recv` (in rank order), through the same segment and step
+// counter as shm_all_reduce: collective in the same order, in windows of the chunk size (less
+// a header of offsets) while any rank has more to send. Raises naming the ranks where a
+// peer's size for this rank differs from recv_bytes, or where a peer calls shm_all_reduce.
+void shm_all_to_all(const at::Tensor& send, at::IntArrayRef send_bytes, at::Tensor& recv,
+                    at::IntArrayRef recv_bytes, at::Tensor& segment, int64_t rank,
+                    double timeout_s);
+
 }  // namespace kiln

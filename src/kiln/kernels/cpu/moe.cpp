@@ -24,7 +24,7 @@
 // thread reads front to back. Each thread takes a contiguous run of panels of about equal
 // cost (docs/decisions/0015).
 //
-// Torch reference: the per-expert path of kiln.models.layers.moe.FusedExperts (each expert's
+// Torch reference: the per-expert path of kiln.models.layers.experts.FusedExperts (each expert's
 // own linears, kiln's silu_mul, torch's weighted sum). Every rounding is that path's:
 // gate/up and down outputs rounded to bf16 from the sums of the same register tiles
 // (vnni_tile.h, int8_vnni_tile.h, int8_rows.h), silu * up computed as silu_mul computes it,

@@ -63,6 +63,8 @@ TORCH_LIBRARY(kiln, m) {
         "float timeout_s) -> ()", &kiln::shm_segment_join);
   m.def("shm_all_reduce(Tensor(a!) x, Tensor(b!) segment, int rank, float timeout_s) -> ()",
         &kiln::shm_all_reduce);
+  m.def("shm_all_to_all(Tensor send, int[] send_bytes, Tensor(a!) recv, int[] recv_bytes, "
+        "Tensor(b!) segment, int rank, float timeout_s) -> ()", &kiln::shm_all_to_all);
   m.def("int8_vnni_mm(Tensor x, Tensor w, Tensor scale, int n, bool fp32_out) -> Tensor",
         &kiln::int8_vnni_mm);
   m.def("int8_vnni_available() -> bool", &kiln::int8_vnni_available);

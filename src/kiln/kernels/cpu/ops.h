@@ -66,7 +66,7 @@ int64_t int8_vnni_calls();
 
 // moe.cpp: a MoE layer's routed experts in one call, on bf16 VNNI-packed, int8-VNNI-packed or
 // int8 weight-only row experts stacked by expert;
-// torch reference: kiln.models.layers.moe.FusedExperts's per-expert path
+// torch reference: kiln.models.layers.experts.FusedExperts's per-expert path
 at::Tensor moe_experts_vnni(const at::Tensor& x, const at::Tensor& experts,
                             const at::Tensor& weights, const at::Tensor& gate_up,
                             const at::Tensor& down, const std::optional<at::Tensor>& owned);

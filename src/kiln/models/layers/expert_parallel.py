@@ -28,7 +28,10 @@ a fixed rule, so the tokens are the same as one rank's whatever the placement.
 Under data-parallel attention (`ExpertParallelOptions.data_parallel`) attention is not split
 and each rank holds only its own tokens: the experts then span the data-parallel ranks, the
 block first gathers every rank's tokens (`ExpertShard.gather`) and each rank keeps its own
-rows of the all-reduce (`ExpertShard.reduce`); kiln.distributed.dp_attention.
+rows of the all-reduce (`ExpertShard.reduce`); kiln.distributed.dp_attention. With
+`all2all_backend="alltoall"` the block instead dispatches each rank's own routed tokens to
+the ranks computing their pairs and combines the partial sums back (`ExpertShard.dispatch`,
+kiln.distributed.expert_dispatch; the shared experts then stay whole on every rank).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from pathlib import Path
 import torch
 
 from kiln.distributed.dp_attention import TokenExchange
+from kiln.distributed.expert_dispatch import ExpertDispatch
 from kiln.models.layers.linear import LinearMethod
 from kiln.models.layers.parallel import ColumnParallel, RowParallel, TensorParallel
 
@@ -57,12 +61,16 @@ class ExpertParallelOptions:
     # exchanges around each block (kiln.distributed.dp_attention); None: the tensor-parallel
     # ranks, which already hold every token
     data_parallel: TokenExchange | None = None
+    # the data-parallel ranks dispatch routed pairs all-to-all (all2all_backend "alltoall"):
+    # the shared experts stay whole on each rank
+    all_to_all: bool = False
 
     @classmethod
     def from_parallel(cls, parallel) -> ExpertParallelOptions:
         """From a kiln.config.ParallelConfig."""
         return cls(parallel.enable_expert_parallel, parallel.num_redundant_experts,
-                   parallel.expert_load_file)
+                   parallel.expert_load_file,
+                   all_to_all=parallel.all2all_backend == "alltoall")
 
 
 # -- placement --------------------------------------------------------------------------------
@@ -157,6 +165,17 @@ class ExpertShard:
         """The split of a routed expert's columns (None: whole experts, no split)."""
         return None if self.expert_parallel or self.tp.comm is None else self.tp
 
+    @property
+    def dispatch(self) -> ExpertDispatch | None:
+        """The all-to-all exchange where the data-parallel ranks use it (else None)."""
+        return None if self.exchange is None else self.exchange.dispatch
+
+    def shared_columns(self) -> TensorParallel | None:
+        """The split of the shared experts' columns (None: whole on this rank). Split over
+        the ranks whose partial sums the block all-reduces; whole under the all-to-all
+        exchange, where each rank computes its own tokens' shared experts."""
+        return None if self.tp.comm is None or self.dispatch is not None else self.tp
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The tokens the block runs on: under data-parallel attention every rank's (this
         rank's rows [n_r, H] -> [N, H]), else `x` (already every token)."""
@@ -207,11 +226,11 @@ def split_expert_methods(cols_tp: TensorParallel | None, width: int, gate_up: Li
 
 def check_expert_parallel(moe, size: int, options: ExpertParallelOptions,
                           size_name: str = "tensor_parallel_size") -> None:
-    """ValueError naming the numbers where a MoE block (`moe`: a kiln.models.layers.moe
+    """ValueError naming the numbers where a MoE block (`moe`: a kiln.models.layers.moe_config
     MoeShape) cannot be split over `size` ranks the way `options` asks; called at start,
     before any rank process starts. `size_name`: the setting that gave `size`."""
     shared = moe.shared_intermediate_size
-    if shared and shared % size:
+    if shared and shared % size and not options.all_to_all:
         raise ValueError(f"{size_name} {size} does not divide the shared experts' "
                          f"intermediate size {shared}")
     num_experts = moe.router.num_experts
