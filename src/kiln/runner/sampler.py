@@ -124,10 +124,10 @@ class Sampler:
                argmax: torch.Tensor | None = None) -> torch.Tensor:
         """[B] token ids: argmax for greedy rows (`argmax`, when the caller has it), a random
         draw for the others."""
-        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
         chosen = logits.argmax(dim=-1) if argmax is None else argmax
-        if bool(greedy.all()):
+        if all(r.params.greedy for r in rows):  # (no device tensor, no sync, for the flags)
             return chosen
+        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
         drawn = inverse_cdf_draw(self.probabilities(logits, rows), self.uniforms(rows))
         return torch.where(greedy, chosen, drawn)
 
