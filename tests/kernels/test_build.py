@@ -19,6 +19,8 @@ OPS = {"rms_norm", "add_rms_norm", "silu_mul", "rotary_inplace", "qk_norm_rotary
        "shm_segment_bytes", "shm_segment_init", "shm_segment_join", "shm_all_reduce"}
 OPS |= {"int8_vnni_mm", "int8_vnni_available", "int8_vnni_calls"}  # gemm_int8_vnni.cpp
 OPS |= {"moe_experts_vnni", "moe_experts_int8", "moe_experts_int8_vnni"}  # moe.cpp
+OPS |= {"route_softmax"}  # router.cpp
+OPS |= {"shm_all_to_all"}  # allreduce.cpp: the expert dispatch's all-to-all
 
 
 def test_the_library_registers_every_op_once():

@@ -68,8 +68,12 @@ def test_the_lm_head_is_never_onednn_packed():
 
 
 def test_a_vnni_packed_model_packs_its_lm_head_too():
-    """kiln's VNNI kernel writes fp32 logits itself, so the head streams the packed layout."""
+    """kiln's VNNI kernel writes fp32 logits itself, so the head streams the packed layout
+    (whatever its vocabulary: `dense-vnni-head`)."""
+    from kiln.models.layers.vnni import VnniLinearMethod
     from kiln.models.loader import _method_chooser
 
     method_for = _method_chooser({}, None, "dense-vnni")
-    assert type(method_for("lm_head")).__name__ == "VnniLinearMethod"
+    head = method_for("lm_head")
+    assert type(head).__name__ == "VnniHeadMethod" and isinstance(head, VnniLinearMethod)
+    assert head.any_rows and not method_for("model.layers.0.mlp.down_proj").any_rows
