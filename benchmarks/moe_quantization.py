@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,13 +30,19 @@ def command(model: str, scheme: str, out: Path, threads: int, method: str) -> li
             "--threads", str(threads), "--method", method]
 
 
+def portable(text: str) -> str:
+    """`text` with the home directory as ~ and /tmp paths as WORK (no machine paths in the
+    committed results)."""
+    return re.sub(r"/tmp/[^ ]*?/", "WORK/", text.replace(str(Path.home()), "~"), count=0)
+
+
 def measure(model: str, scheme: str, out: Path, threads: int, method: str) -> dict:
     cmd = command(model, scheme, out, threads, method)
     report = out / "quantization_report.json"
     if not report.is_file():
         subprocess.run([sys.executable, "-m", "kiln.cli", *cmd[1:]], check=True)
     row = json.loads(report.read_text())["held_out"][0]
-    return {"scheme": scheme, "format": SCHEMES[scheme], "command": " ".join(cmd),
+    return {"scheme": scheme, "format": SCHEMES[scheme], "command": portable(" ".join(cmd)),
             "bits_per_weight": round(row["bits_per_weight"], 4),
             "linear_mb": round(row["linear_bytes"] / 1e6, 1), **row["fidelity"]}
 
