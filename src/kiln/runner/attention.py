@@ -245,23 +245,24 @@ class CpuPagedAttention:
 
     def build_metadata(self, layout: SeqLayout, positions: torch.Tensor, block_size: int,
                        slot_mapping: torch.Tensor | None = None) -> CpuAttentionMetadata:
-        if layout.tree_mask is None and layout.max_query_len is not None \
-                and layout.max_query_len <= self.max_kernel_query_len:
-            short, long = layout, None  # decode steps: known from the builder's ints
-            if slot_mapping is None:
-                slot_mapping = slot_mapping_for(layout, positions, block_size)
-            return CpuAttentionMetadata(slot_mapping, block_size, short, long, len(positions))
-        is_short = layout.query_lens <= self.max_kernel_query_len
-        if layout.tree_mask is not None:  # a draft tree (up to 32 tokens) needs its bits here
-            is_short |= layout.tree_mask[layout.query_start + layout.query_lens - 1] != 0
-        if bool(is_short.all()):  # decode and verify steps: no copies of the layout
-            short, long = layout, None
-        else:
-            short = _subset(layout, is_short) if bool(is_short.any()) else None
-            long = _subset(layout, ~is_short)
+        short, long = self._split(layout)
         if slot_mapping is None:
             slot_mapping = slot_mapping_for(layout, positions, block_size)
         return CpuAttentionMetadata(slot_mapping, block_size, short, long, len(positions))
+
+    def _split(self, layout: SeqLayout) -> tuple[SeqLayout | None, SeqLayout | None]:
+        """(short, long) queries: the layout itself where every query is short (decode and
+        verify steps: known from the builder's ints where it gave them, no device reads)."""
+        if layout.tree_mask is None and layout.max_query_len is not None:
+            if layout.max_query_len <= self.max_kernel_query_len:
+                return layout, None
+        is_short = layout.query_lens <= self.max_kernel_query_len
+        if layout.tree_mask is not None:  # a draft tree (up to 32 tokens) needs its bits here
+            is_short |= layout.tree_mask[layout.query_start + layout.query_lens - 1] != 0
+        if bool(is_short.all()):
+            return layout, None
+        short = _subset(layout, is_short) if bool(is_short.any()) else None
+        return short, _subset(layout, ~is_short)
 
     def forward(self, q, k, v, kv_cache, meta: CpuAttentionMetadata, scale: float):
         k_cache, v_cache = kv_cache
