@@ -4,7 +4,8 @@ ceiling they imply for the default model, so every speed figure is also a fracti
 - Bandwidth: a streaming read of a buffer far larger than the last-level cache (default
   1 GiB) with `--threads` threads, median of `--runs`: a small C++ loop (8 independent 64-bit
   accumulators, vectorized by -O3 -march=native; built once with torch's cpp_extension) and
-  torch's fp32 sum; the faster of the two is the figure (reported side by side).
+  torch's fp32 sum, each on ordinary pages and on transparent huge pages (where kiln keeps
+  its weights, kiln.models.arena); the fastest is the figure (reported side by side).
 - Matrix peak at one large square shape (`--size`): bf16 GEMM through oneDNN as kiln's dense
   layers run it (prepacked weights: AMX tiles where the CPU has them) and again with oneDNN
   capped at AVX512-BF16 (`ONEDNN_MAX_CPU_ISA`, in a child process: the AVX-512 figure on an AMX
@@ -51,6 +52,7 @@ from kiln.kernels import cpu as cpu_kernels
 from kiln.kernels import quant_mm
 from kiln.kernels.bf16_mm import onednn_available, onednn_bf16_linear_fp32
 from kiln.kernels.isa import cpu_isa, onednn_implementations
+from kiln.models.arena import huge_page_buffer
 
 # oneDNN's ISA names (ONEDNN_MAX_CPU_ISA) for "everything but AMX"
 NO_AMX_CAP = "AVX512_CORE_BF16"
@@ -113,11 +115,15 @@ def read_loop() -> Callable[[torch.Tensor], int] | None:
 def bandwidth(buffer_mib: int, runs: int, use_cpp: bool) -> dict[str, float]:
     """GB/s read by each method (median of `runs`), and "best" of them."""
     buffer = torch.ones(buffer_mib * (1 << 20) // 4, dtype=torch.float32)  # touched: resident
+    # the same read from huge pages, as kiln holds its weights (kiln.models.arena)
+    huge = huge_page_buffer(buffer.nbytes).view(torch.float32).fill_(1.0)
     gigabytes = buffer.numel() * 4 / 1e9
-    figures = {"torch_sum": gigabytes / median_seconds(buffer.sum, runs)}
+    figures = {"torch_sum": gigabytes / median_seconds(buffer.sum, runs),
+               "torch_sum_huge_pages": gigabytes / median_seconds(huge.sum, runs)}
     loop = read_loop() if use_cpp else None
     if loop is not None:
         figures["cpp_read"] = gigabytes / median_seconds(lambda: loop(buffer), runs)
+        figures["cpp_read_huge_pages"] = gigabytes / median_seconds(lambda: loop(huge), runs)
     figures["best"] = max(figures.values())
     return {k: round(v, 2) for k, v in figures.items()}
 

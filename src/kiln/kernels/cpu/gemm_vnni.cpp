@@ -24,22 +24,21 @@ namespace {
 
 using vnni::vnni_panel;
 
-// Panels of NV blocks across threads; the last, narrower panel by a smaller NV.
+// Each thread takes one contiguous run of blocks (an even split: the 36 blocks of a 576-row
+// layer are 18 and 18, where whole panels of 4 were 5 and 4 and one thread waited for the
+// other), in panels of NV blocks, the run's last panel narrower.
 template <int NV, typename Out>
 void vnni_mm(const int32_t* x, int64_t M, int64_t P, const at::BFloat16* w, int64_t blocks,
              Out* y, int64_t N) {
-  const int64_t full = blocks / NV, rest = blocks % NV;
-  at::parallel_for(0, full + (rest > 0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (i < full) {
-        vnni_panel<NV, Out>(x, M, P, w, i * NV, y, N);
-      } else if (rest == 1) {
-        vnni_panel<1, Out>(x, M, P, w, full * NV, y, N);
-      } else if (rest == 2) {
-        vnni_panel<2, Out>(x, M, P, w, full * NV, y, N);
-      } else {
-        vnni_panel<3, Out>(x, M, P, w, full * NV, y, N);
-      }
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    int64_t b = begin;
+    for (; b + NV <= end; b += NV) vnni_panel<NV, Out>(x, M, P, w, b, y, N);
+    if (end - b == 1) {
+      vnni_panel<1, Out>(x, M, P, w, b, y, N);
+    } else if (end - b == 2) {
+      vnni_panel<2, Out>(x, M, P, w, b, y, N);
+    } else if (end - b == 3) {
+      vnni_panel<3, Out>(x, M, P, w, b, y, N);
     }
   });
 }
