@@ -59,19 +59,31 @@ class _Held(nn.Module):
         self.expert = stacked[1]  # a view into it, as an expert's linear holds one
 
 
-def test_only_tensors_owning_their_storage_move(monkeypatch):
+def test_a_shared_storage_moves_whole_with_every_tensor_holding_it(monkeypatch):
     monkeypatch.setattr(arena, "MIN_BYTES", 1024)
     held = _Held()
     own_id, stacked_ptr = id(held.own), held.stacked.data_ptr()
     stats = arena.gather_weights(held)
-    assert stats is not None and stats.tensors == 1 and stats.nbytes == 64 * 64 * 4
+    # own; stacked, its view and the base both are views of (arange), together
+    assert stats is not None and stats.tensors == 4
+    assert stats.nbytes == 64 * 64 * 4 + 2 * 64 * 64 * 4
     assert id(held.own) == own_id and held.own.data_ptr() % arena.HUGE_PAGE == 0
     assert torch.equal(held.own, torch.ones(64, 64))
-    # a storage two held tensors share stays, so a write through one is seen through the other
-    assert held.stacked.data_ptr() == stacked_ptr
-    held.stacked[1, 0, 0] = -1.0
+    assert held.stacked.data_ptr() != stacked_ptr
+    assert held.expert.data_ptr() == held.stacked.data_ptr() + 64 * 64 * 4  # still its view
+    assert torch.equal(held.expert, torch.arange(64 * 64, 2 * 64 * 64).view(64, 64).float())
+    held.stacked[1, 0, 0] = -1.0  # a write through one is seen through the other
     assert held.expert[0, 0] == -1.0
-    assert held.small.nbytes < 1024 and held.small.untyped_storage().nbytes() == 16
+    assert held.small.untyped_storage().nbytes() == 16  # below MIN_BYTES: stays
+
+
+def test_a_storage_held_outside_the_model_stays(monkeypatch):
+    monkeypatch.setattr(arena, "MIN_BYTES", 1024)
+    held = _Held()
+    outside = held.own.view(-1)  # e.g. a cache some other object keeps
+    before = held.own.data_ptr()
+    arena.gather_weights(held)
+    assert held.own.data_ptr() == before == outside.data_ptr()
 
 
 def test_disabled_leaves_the_weights_where_they_are(monkeypatch):

@@ -8,15 +8,16 @@ matrices are read through a few hundred TLB entries, one after the other. Decisi
 figures (the decoder's GEMVs on AMD EPYC Zen 4: 28.7 -> 31.4 GB/s in a probe, batch-1 decode
 +10-25 %).
 
-Each moved tensor keeps its identity (`t.data` points into the arena), so every holder of it
-(a Parameter, a packed copy kept as a plain attribute, a list built later) reads the arena. Only
-tensors that own their whole storage move: a view (an expert's slice of a stacked tensor) stays
-with its base, and oneDNN's prepacked weights (opaque, the AMX CPUs' format) stay where oneDNN
-put them. `KILN_WEIGHT_ARENA=0` leaves the weights where loading put them (A/B runs).
+Storages move whole, with every tensor of the model that holds one (a MoE layer's stacked
+experts and each expert's view into them), and each tensor keeps its identity (`t.data` points
+into the arena), so every holder of it (a Parameter, a packed copy kept as a plain attribute, a
+list built later) reads the arena. A storage that something outside the model also holds
+stays, as do oneDNN's prepacked weights (opaque: the AMX CPUs' format). `KILN_WEIGHT_ARENA=0` leaves the weights where loading put them (A/B runs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 from dataclasses import dataclass
@@ -63,50 +64,79 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     return whole[start:start + nbytes]
 
 
-def movable(t: torch.Tensor) -> bool:
-    """A CPU tensor worth moving that owns its whole storage (not a view into another's)."""
-    return (t.device.type == "cpu" and not t.requires_grad and t.is_contiguous()
-            and t.nbytes >= MIN_BYTES and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.nbytes)
+def _held(module: nn.Module):
+    """The tensors a module holds: parameters, buffers, plain tensor attributes (packed
+    weights) and the tensor fields of dataclass attributes (a MoE layer's stacked experts)."""
+    yield from module._parameters.values()
+    yield from module._buffers.values()
+    for value in vars(module).values():
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for field in dataclasses.fields(value):
+                inner = getattr(value, field.name)
+                if isinstance(inner, torch.Tensor):
+                    yield inner
 
 
-def module_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """Every distinct movable tensor a module of `model` holds (parameters, buffers, and plain
-    tensor attributes such as packed weights), in module order: the order a forward reads.
-    A storage that two held tensors share (a stacked weight and its experts' views) stays."""
-    held: dict[int, torch.Tensor] = {}
+def _references(storage: torch.UntypedStorage) -> int | None:
+    """How many tensors share `storage` (None where this torch cannot say)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else count(storage._cdata) - 1  # less our own handle
+
+
+def held_storages(model: nn.Module) -> list[list[torch.Tensor]]:
+    """The storages worth moving, each as the tensors of `model` that hold it, in module order
+    (the order a forward reads): large CPU storages every one of whose tensors a module holds
+    (a stacked tensor and its experts' views move together; one with a holder outside the
+    model stays, so no two copies drift apart)."""
+    groups: dict[int, dict[int, torch.Tensor]] = {}
     for module in model.modules():
-        for t in (*module._parameters.values(), *module._buffers.values(),
-                  *(v for v in vars(module).values() if isinstance(v, torch.Tensor))):
+        for t in _held(module):
             # (oneDNN's prepacked weights are opaque: no storage to move or share)
-            if t is not None and t.device.type == "cpu" and t.layout == torch.strided \
-                    and not t.is_mkldnn:
-                held.setdefault(id(t), t)
-    sharing: dict[int, int] = {}
-    for t in held.values():
-        key = t.untyped_storage().data_ptr()
-        sharing[key] = sharing.get(key, 0) + 1
-    return [t for t in held.values()
-            if movable(t) and sharing[t.untyped_storage().data_ptr()] == 1]
+            if (t is not None and t.device.type == "cpu" and t.layout == torch.strided
+                    and not t.is_mkldnn and not t.requires_grad):
+                storage = t.untyped_storage()
+                if storage.nbytes() >= MIN_BYTES:
+                    group = groups.setdefault(storage.data_ptr(), {})
+                    group[id(t)] = t
+                    if t._base is not None:  # a view keeps its base alive (and counted)
+                        group[id(t._base)] = t._base
+    out = []
+    for group in groups.values():
+        tensors = list(group.values())
+        storage = tensors[0].untyped_storage()
+        refs = _references(storage)
+        if refs == len(tensors) or (refs is None and len(tensors) == 1
+                                    and tensors[0].nbytes == storage.nbytes()):
+            out.append(tensors)
+    return out
 
 
 def gather_weights(model: nn.Module) -> ArenaStats | None:
     """Move `model`'s large weights into one huge-page arena, in module order (None when
-    disabled or nothing moves). Peak memory grows by at most the largest tensor: each old
-    copy is released as soon as its tensor points into the arena."""
+    disabled or nothing moves). Peak memory grows by at most the largest storage: each old
+    copy is released as soon as its tensors point into the arena."""
     if not enabled():
         return None
-    tensors = module_tensors(model)
-    if not tensors:
+    groups = held_storages(model)
+    if not groups:
         return None
     offsets, total = [], 0
-    for t in tensors:
+    for tensors in groups:
         offsets.append(total)
-        total += -(-t.nbytes // ALIGN) * ALIGN
+        total += -(-tensors[0].untyped_storage().nbytes() // ALIGN) * ALIGN
     arena = huge_page_buffer(total)
     with torch.no_grad():
-        for t, offset in zip(tensors, offsets, strict=True):
-            view = arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
-            view.copy_(t)
-            t.data = view
-    return ArenaStats(len(tensors), total, transparent_huge_pages() in ("always", "madvise"))
+        for tensors, offset in zip(groups, offsets, strict=True):
+            storage = tensors[0].untyped_storage()
+            size = storage.nbytes()
+            arena[offset:offset + size].copy_(
+                torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage))
+            for t in tensors:
+                base = arena[offset:offset + size].view(t.dtype)
+                t.data = base.as_strided(t.size(), t.stride(),
+                                         base.storage_offset() + t.storage_offset())
+            del storage
+    return ArenaStats(sum(map(len, groups)), total,
+                      transparent_huge_pages() in ("always", "madvise"))
