@@ -18,12 +18,15 @@ stays, as do oneDNN's prepacked weights (opaque: the AMX CPUs' format). `KILN_WE
 from __future__ import annotations
 
 import dataclasses
+import logging
 import mmap
 import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # each tensor starts on a cache line
@@ -138,5 +141,8 @@ def gather_weights(model: nn.Module) -> ArenaStats | None:
                 t.data = base.as_strided(t.size(), t.stride(),
                                          base.storage_offset() + t.storage_offset())
             del storage
-    return ArenaStats(sum(map(len, groups)), total,
-                      transparent_huge_pages() in ("always", "madvise"))
+    mode = transparent_huge_pages()
+    stats = ArenaStats(sum(map(len, groups)), total, mode in ("always", "madvise"))
+    log.info("weights: %d tensors, %.1f MB in one arena (transparent huge pages: %s)",
+             stats.tensors, total / 1e6, mode or "none")
+    return stats
