@@ -115,3 +115,20 @@ def test_the_arena_is_on_huge_pages_where_the_kernel_offers_them():
     assert buffer.data_ptr() % arena.HUGE_PAGE == 0 and buffer.numel() == 8 << 20
     if mode in ("always", "madvise"):  # THP off ("never", or no THP): 4 KiB pages, still one arena
         assert _anon_huge_kib(buffer.data_ptr()) >= 2048
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS"))
+
+
+def test_trim_heap_hands_freed_heap_pages_back():
+    # 128 MiB in 64 KiB chunks (below glibc's mmap threshold: on the heap), the last kept so
+    # the heap's top cannot shrink on its own; freed, glibc keeps the pages until trimmed
+    chunks = [bytearray(b"\x01" * (64 << 10)) for _ in range(2048)]
+    keep = chunks[-1]
+    del chunks
+    freed = _rss()
+    assert arena.trim_heap()
+    assert freed - _rss() > 64 << 20
+    assert keep[0] == 1

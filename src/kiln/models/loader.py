@@ -19,7 +19,7 @@ from torch import nn
 import kiln.models.layers.cpu_bf16  # noqa: F401  (registers dense-bf16-fp32)
 import kiln.models.layers.onednn  # noqa: F401  (registers dense-onednn)
 import kiln.models.layers.vnni  # noqa: F401  (registers dense-vnni)
-from kiln.models.arena import gather_weights
+from kiln.models.arena import gather_weights, trim_heap
 from kiln.models.layers.experts import FusedExperts
 from kiln.models.layers.linear import Linear, LinearMethod, get_linear_method
 from kiln.models.layers.moe_router import Router
@@ -90,6 +90,7 @@ def load_model(path: str | Path, dtype: torch.dtype, backend,
         elif isinstance(module, Router):
             module.pack()
     gather_weights(model)  # the packed weights, in module order, on huge pages
+    trim_heap()  # the copies loading freed, back to the OS
     return LoadedModel(model.eval(), hf_config, path)
 
 
