@@ -92,7 +92,7 @@ class Bf16Case:
 @needs_bf16_dot
 @pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
 @pytest.mark.parametrize("query_lens, context_lens", [
-    ([1], [37]),  # one sequence: a job per kv head
+    ([1], [37]),  # one sequence: a job per kv head and slice of its group of query heads
     ([1] * 9, [0, 1, 15, 16, 17, 40, 63, 64, 200]),  # many: a job per sequence, all its heads
     ([3, 1, 16, 1, 1], [20, 5, 33, 0, 90]),  # drafts and a 16-token query among decodes
     ([13], [150]),  # a verify step at batch 1: jobs per kv head and slice of the query
@@ -184,6 +184,30 @@ def test_tree_masks_in_both_backends(dtype, hq, hkv):
     layout.tree_mask = torch.zeros(12, dtype=torch.int64)
     layout.tree_mask[:7] = torch.tensor(bits)
     assert_both_backends_follow_the_bits(dtype, layout, positions, cache, q, k, v, bs)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("hq, hkv", [(9, 3), (8, 1)])
+def test_a_decode_split_over_query_heads_is_the_same_to_the_bit(hq, hkv):
+    """At batch 1 a single-token query whose kv heads do not share out over 2 threads is split
+    by query heads within each kv head's group (3 kv heads: 4 rows against 5; 1 kv head: 4 and
+    4): each row's arithmetic is its own, so 1 and 2 threads give the same bits."""
+    layout, positions, cache, q, k, v, bs = random_batch(torch.bfloat16, [1], [300],
+                                                         hq=hq, hkv=hkv)
+    cpu, scale, outs = CpuPagedAttention(), 64 ** -0.5, []
+    meta = cpu.build_metadata(layout, positions, bs)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(cpu.forward(q, k, v, tuple(c.clone() for c in cache), meta, scale))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    case_ref = TorchPagedAttention()
+    ref = case_ref.forward(q.float(), k.float(), v.float(), tuple(c.float() for c in cache),
+                           case_ref.build_metadata(layout, positions, bs), scale)
+    torch.testing.assert_close(outs[1].float(), ref, atol=1e-2, rtol=1e-2)
 
 
 @needs_bf16_dot

@@ -373,8 +373,9 @@ void weighted_values_f32(const float* p, const float* vf, float* acc, int64_t ro
   for (; r0 < rows; ++r0) weighted_values_f32_regs<1, CHUNKS>(p + r0 * nk, vf, acc + r0 * d, nk);
 }
 
-// attend_one for bf16 caches and head dims 64/128, over kv heads [h0, h1) and query tokens
-// [i0, i1) of one sequence at once: each block's cache rows (every head of a slot is one
+// attend_one for bf16 caches and head dims 64/128, over kv heads [h0, h1), query tokens
+// [i0, i1) and query heads [g0, g1) of each kv head's group, of one sequence at once (its rows
+// read ahead first where `touch`): each block's cache rows (every head of a slot is one
 // contiguous row) are read in one sweep and the next block's keys and this block's values are
 // prefetched, so a sequence's KV streams from memory instead of arriving head by head in
 // scattered lines. Each query row's arithmetic is the same whichever others share its job.
@@ -382,25 +383,27 @@ template <int D>
 void attend_heads_bf16(const at::BFloat16* qp, const at::BFloat16* kc,
                        const at::BFloat16* vc, at::BFloat16* op, const int64_t* table,
                        int64_t t0, int64_t i0, int64_t i1, int64_t ctx, int64_t h0, int64_t h1,
-                       int64_t hkv, int64_t group, int64_t q_row, int64_t q_head,
-                       int64_t block_size, float scale, const int64_t* tree,
+                       int64_t hkv, int64_t group, int64_t g0, int64_t g1, int64_t q_row,
+                       int64_t q_head, int64_t block_size, float scale, const int64_t* tree,
+                       bool touch,
                        std::vector<uint16_t>& qb, std::vector<float>& scores,
                        std::vector<float>& acc, std::vector<float>& vf) {
-  // token i sees keys up to ctx + i: the job's last token bounds the keys it reads
-  const int64_t nq = i1 - i0, nk = ctx + i1, rows = nq * group, heads = h1 - h0;
+  // token i sees keys up to ctx + i: the job's last token bounds the keys it reads; gn rows
+  // (query heads) per query token
+  const int64_t nq = i1 - i0, nk = ctx + i1, gn = g1 - g0, rows = nq * gn, heads = h1 - h0;
   const int64_t stride = hkv * D;
   t0 += i0;
   qb.resize(heads * rows * D);
   for (int64_t h = h0; h < h1; ++h)
     for (int64_t i = 0; i < nq; ++i)
-      for (int64_t g = 0; g < group; ++g) {
+      for (int64_t g = g0; g < g1; ++g) {
         const auto* src = reinterpret_cast<const uint16_t*>(
             qp + (t0 + i) * q_row + (h * group + g) * q_head);
-        std::copy(src, src + D, qb.data() + ((h - h0) * rows + i * group + g) * D);
+        std::copy(src, src + D, qb.data() + ((h - h0) * rows + i * gn + g - g0) * D);
       }
   scores.resize(heads * rows * nk);
   const __m512 sc = _mm512_set1_ps(scale);
-  touch_rows(kc, vc, table, nk, stride, block_size);
+  if (touch) touch_rows(kc, vc, table, nk, stride, block_size);
   for (int64_t j0 = 0; j0 < nk;) {
     const int64_t n = std::min<int64_t>({16, block_size - j0 % block_size, nk - j0});
     const int64_t slot = table[j0 / block_size] * block_size + j0 % block_size;
@@ -411,7 +414,7 @@ void attend_heads_bf16(const at::BFloat16* qp, const at::BFloat16* kc,
   }
   for (int64_t h = 0; h < heads; ++h) {
     float* sh = scores.data() + h * rows * nk;
-    mask_query_block(sh, tree, t0, nq, ctx, nk, group, i0);
+    mask_query_block(sh, tree, t0, nq, ctx, nk, gn, i0);
     for (int64_t r = 0; r < rows; ++r) softmax_row16(sh + r * nk, nk);
   }
   acc.resize(heads * rows * D);
@@ -428,9 +431,9 @@ void attend_heads_bf16(const at::BFloat16* qp, const at::BFloat16* kc,
   }
   for (int64_t h = h0; h < h1; ++h)
     for (int64_t i = 0; i < nq; ++i)
-      for (int64_t g = 0; g < group; ++g) {
+      for (int64_t g = g0; g < g1; ++g) {
         at::BFloat16* dst = op + (t0 + i) * (hkv * group * D) + (h * group + g) * D;
-        const float* a = acc.data() + ((h - h0) * rows + i * group + g) * D;
+        const float* a = acc.data() + ((h - h0) * rows + i * gn + g - g0) * D;
         for (int64_t x = 0; x < D; x += 16)  // round to nearest even, as static_cast
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + x),
                               (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + x)));
@@ -469,14 +472,18 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
     // a job per sequence (all its heads) when there are enough to share out, else per head;
     // and where too few per-head jobs would leave threads idle (a verify step at batch 1: 3
     // kv heads on 2 threads is one thread's 2 heads against the other's 1), per head and
-    // slice of the sequence's query tokens
+    // slice of the sequence's query tokens, or for single-token queries (decode at batch 1:
+    // 9 query heads on 2 threads, 6 against 3 by kv head) per head and slice of its group of
+    // query heads (4 against 5). A row's arithmetic is the same in any job.
     const int64_t threads = at::get_num_threads();
     const int64_t per_job = num_seqs >= 2 * threads ? hkv : 1;
     const int64_t jobs_per_seq = hkv / per_job;
     int64_t max_q = 0;
     for (int64_t s = 0; s < num_seqs; ++s) max_q = std::max(max_q, qlp[s]);
-    const int64_t slices = (per_job == 1 && (num_seqs * hkv) % threads != 0)
-                               ? std::min(threads, max_q) : 1;
+    const bool idle = per_job == 1 && (num_seqs * hkv) % threads != 0;
+    const int64_t token_slices = idle ? std::min(threads, max_q) : 1;
+    const int64_t group_slices = idle && max_q == 1 ? std::min(threads, group) : 1;
+    const int64_t slices = token_slices * group_slices;
     const auto f = d == 64 ? &attend_heads_bf16<64> : &attend_heads_bf16<128>;
     at::parallel_for(0, num_seqs * jobs_per_seq * slices, 1, [&](int64_t begin, int64_t end) {
       std::vector<uint16_t> qb;
@@ -485,12 +492,17 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
         const int64_t slice = job % slices, head_job = job / slices;
         const int64_t s = head_job / jobs_per_seq, h0 = head_job % jobs_per_seq * per_job;
         // equal slices of the query tokens (token i reads ctx + i + 1 keys: about equal work)
-        const int64_t nq = qlp[s], i0 = nq * slice / slices, i1 = nq * (slice + 1) / slices;
-        if (i0 == i1) continue;
+        const int64_t ts = slice / group_slices, gs = slice % group_slices;
+        const int64_t nq = qlp[s], i0 = nq * ts / token_slices, i1 = nq * (ts + 1) / token_slices;
+        const int64_t g0 = group * gs / group_slices, g1 = group * (gs + 1) / group_slices;
+        if (i0 == i1 || g0 == g1) continue;
+        // the sequence's rows are read ahead once per thread (its later jobs find them cached)
+        const bool touch = job == begin || (job - 1) / slices / jobs_per_seq != s;
         f(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
           v_cache.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), btp + s * bt_width,
-          qsp[s], i0, i1, cxp[s], h0, h0 + per_job, hkv, group, q.stride(0), q.stride(1),
-          block_size, static_cast<float>(scale), tree, qb, scores, acc, vf);
+          qsp[s], i0, i1, cxp[s], h0, h0 + per_job, hkv, group, g0, g1, q.stride(0),
+          q.stride(1), block_size, static_cast<float>(scale), tree, touch, qb, scores, acc,
+          vf);
       }
     });
     return;
