@@ -186,6 +186,22 @@ def test_tree_masks_in_both_backends(dtype, hq, hkv):
     assert_both_backends_follow_the_bits(dtype, layout, positions, cache, q, k, v, bs)
 
 
+def _on_one_and_two_threads(layout, positions, cache, q, k, v, bs):
+    """The cpu backend's output on 1 and on 2 threads (each on its own copy of the cache), and
+    the second run's cache."""
+    cpu, outs = CpuPagedAttention(), []
+    meta = cpu.build_metadata(layout, positions, bs)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            run_cache = tuple(c.clone() for c in cache)
+            outs.append(cpu.forward(q, k, v, run_cache, meta, 64 ** -0.5))
+    finally:
+        torch.set_num_threads(before)
+    return outs, run_cache
+
+
 @needs_bf16_dot
 @pytest.mark.parametrize("hq, hkv", [(9, 3), (8, 1)])
 def test_a_decode_split_over_query_heads_is_the_same_to_the_bit(hq, hkv):
@@ -194,19 +210,11 @@ def test_a_decode_split_over_query_heads_is_the_same_to_the_bit(hq, hkv):
     4): each row's arithmetic is its own, so 1 and 2 threads give the same bits."""
     layout, positions, cache, q, k, v, bs = random_batch(torch.bfloat16, [1], [300],
                                                          hq=hq, hkv=hkv)
-    cpu, scale, outs = CpuPagedAttention(), 64 ** -0.5, []
-    meta = cpu.build_metadata(layout, positions, bs)
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            outs.append(cpu.forward(q, k, v, tuple(c.clone() for c in cache), meta, scale))
-    finally:
-        torch.set_num_threads(before)
+    outs, _ = _on_one_and_two_threads(layout, positions, cache, q, k, v, bs)
     assert torch.equal(outs[0], outs[1])
     case_ref = TorchPagedAttention()
     ref = case_ref.forward(q.float(), k.float(), v.float(), tuple(c.float() for c in cache),
-                           case_ref.build_metadata(layout, positions, bs), scale)
+                           case_ref.build_metadata(layout, positions, bs), 64 ** -0.5)
     torch.testing.assert_close(outs[1].float(), ref, atol=1e-2, rtol=1e-2)
 
 
@@ -225,18 +233,9 @@ def test_a_tree_split_over_threads_is_the_same_to_the_bit(n):
     for i in range(1, n):
         bits.append(bits[int(torch.randint(i, (1,), generator=gen))] | 1 << i)
     layout.tree_mask = torch.tensor(bits)
-    cpu, scale, outs = CpuPagedAttention(), 64 ** -0.5, []
-    meta = cpu.build_metadata(layout, positions, bs)
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            run_cache = tuple(c.clone() for c in cache)
-            outs.append(cpu.forward(q, k, v, run_cache, meta, scale))
-    finally:
-        torch.set_num_threads(before)
+    outs, run_cache = _on_one_and_two_threads(layout, positions, cache, q, k, v, bs)
     assert torch.equal(outs[0], outs[1])
-    expected = tree_attention_reference(q, run_cache, layout, bs, scale)
+    expected = tree_attention_reference(q, run_cache, layout, bs, 64 ** -0.5)
     torch.testing.assert_close(outs[1].float(), expected, atol=2e-2, rtol=2e-2)
 
 

@@ -12,7 +12,8 @@ Storages move whole, with every tensor of the model that holds one (a MoE layer'
 experts and each expert's view into them), and each tensor keeps its identity (`t.data` points
 into the arena), so every holder of it (a Parameter, a packed copy kept as a plain attribute, a
 list built later) reads the arena. A storage that something outside the model also holds
-stays, as do oneDNN's prepacked weights (opaque: the AMX CPUs' format). `KILN_WEIGHT_ARENA=0` leaves the weights where loading put them (A/B runs).
+stays, as do oneDNN's prepacked weights (opaque: the AMX CPUs' format). `KILN_WEIGHT_ARENA=0`
+leaves the weights where loading put them (A/B runs).
 """
 
 from __future__ import annotations
@@ -36,9 +37,8 @@ MIN_BYTES = 64 << 10  # smaller tensors (norms, biases, scales) stay where they 
 
 @dataclass(frozen=True)
 class ArenaStats:
-    tensors: int
-    nbytes: int
-    huge_pages: bool  # the kernel was asked for huge pages (THP "always" or "madvise")
+    tensors: int  # the tensors now pointing into the arena
+    nbytes: int  # the arena's size
 
 
 def enabled() -> bool:
@@ -134,18 +134,16 @@ def gather_weights(model: nn.Module) -> ArenaStats | None:
     with torch.no_grad():
         for tensors, offset in zip(groups, offsets, strict=True):
             storage = tensors[0].untyped_storage()
-            size = storage.nbytes()
-            arena[offset:offset + size].copy_(
-                torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage))
+            block = arena[offset:offset + storage.nbytes()]
+            block.copy_(torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage))
+            del storage
             for t in tensors:
-                base = arena[offset:offset + size].view(t.dtype)
+                base = block.view(t.dtype)
                 t.data = base.as_strided(t.size(), t.stride(),
                                          base.storage_offset() + t.storage_offset())
-            del storage
-    mode = transparent_huge_pages()
-    stats = ArenaStats(sum(map(len, groups)), total, mode in ("always", "madvise"))
+    stats = ArenaStats(sum(map(len, groups)), total)
     log.info("weights: %d tensors, %.1f MB in one arena (transparent huge pages: %s)",
-             stats.tensors, total / 1e6, mode or "none")
+             stats.tensors, total / 1e6, transparent_huge_pages() or "none")
     return stats
 
 
