@@ -13,7 +13,7 @@ pytestmark = needs_cpu_kernels
 # every op the library registers (ops.cpp): adding or dropping one is a deliberate change here
 OPS = {"rms_norm", "add_rms_norm", "silu_mul", "rotary_inplace", "qk_norm_rotary_inplace",
        "write_kv", "move_slots",
-       "top_logprobs", "paged_attention", "prefill_attention", "has_bf16_attention",
+       "top_logprobs", "argmax_rows", "paged_attention", "prefill_attention", "has_bf16_attention",
        "int8_gemv", "bf16_gemm", "bf16_gemm_vectorized", "bf16_gemm_f32",
        "bf16_gemm_f32_dot_products", "bf16_vnni_mm", "bf16_vnni_available", "llama_stack",
        "shm_segment_bytes", "shm_segment_init", "shm_segment_join", "shm_all_reduce"}

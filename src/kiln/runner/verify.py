@@ -45,6 +45,7 @@ from kiln.runner.sampler import (
     SamplingRow,
     compute_logprobs,
     inverse_cdf_draw,
+    row_argmax,
     take_rows,
 )
 
@@ -100,7 +101,7 @@ def _verify_greedy(processed: torch.Tensor, groups: list[VerifyGroup],
                    tokens: list[list[int]], paths: list[list[int] | None],
                    slots: list[int]) -> None:
     index = [r for g in groups for r in _group_rows(g)]
-    argmax = processed[index].argmax(dim=-1).tolist()
+    argmax = row_argmax(processed[index]).tolist()
     at = 0
     for slot, g in zip(slots, groups, strict=True):
         target = argmax[at:at + len(g.drafts) + 1]

@@ -19,6 +19,7 @@ TORCH_LIBRARY(kiln, m) {
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()", &kiln::write_kv);
   m.def("move_slots(Tensor(a!)[] caches, Tensor src, Tensor dst) -> ()", &kiln::move_slots);
+  m.def("argmax_rows(Tensor logits) -> Tensor", &kiln::argmax_rows);
   m.def("top_logprobs(Tensor logits, int k, Tensor ids) -> (Tensor, Tensor)",
         &kiln::top_logprobs);
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "

@@ -27,6 +27,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
 void move_slots(at::TensorList caches, const at::Tensor& src, const at::Tensor& dst);
 
 // sampling.cpp
+at::Tensor argmax_rows(const at::Tensor& logits);
 std::tuple<at::Tensor, at::Tensor> top_logprobs(const at::Tensor& logits, int64_t k,
                                                 const at::Tensor& ids);
 
