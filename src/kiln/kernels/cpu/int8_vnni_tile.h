@@ -184,7 +184,9 @@ template <int MT, typename Out>
 inline void token_tile(const int32_t* x, const int64_t* offset, const double* xs, int64_t P,
                        const uint8_t* w, int64_t count, const float* scale, Out* y,
                        int64_t ldy, int64_t rows_left) {
-  constexpr int NV = MT <= 2 ? 4 : (MT <= 4 ? 2 : 1);
+  // one token (batch-1 decode): one block at a time, so the run's weights, laid end to end,
+  // stream sequentially (as gemm_vnni.cpp's one-token case); a block's sums do not depend on NV
+  constexpr int NV = MT == 1 ? 1 : (MT <= 2 ? 4 : (MT <= 4 ? 2 : 1));
   int64_t i = 0;
   // block i of the run: its weights, scales, outputs and the rows from it to the end
   for (; i + NV <= count; i += NV)
