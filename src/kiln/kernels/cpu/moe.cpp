@@ -213,8 +213,9 @@ struct VnniProjection {
   const at::BFloat16* w;
   int64_t N, K;
 
-  // 4 blocks per panel below 8 rows, 3 from 8 (gemm_vnni.cpp's dispatch)
-  int panel_blocks(int64_t rows) const { return rows < 8 ? 4 : 3; }
+  // gemm_vnni.cpp's dispatch: one block per panel for one row (a thread's run of blocks, end
+  // to end, streams in sequence), 4 below 8 rows, 3 from 8
+  int panel_blocks(int64_t rows) const { return rows == 1 ? 1 : (rows < 8 ? 4 : 3); }
 
   void run(const Panel& p, const Rows& x, at::BFloat16* y) const {
     const auto* xr = reinterpret_cast<const int32_t*>(x.rows() + p.row * K);
