@@ -60,7 +60,13 @@ from kiln.runner.rank_loop import (
 )
 from kiln.runner.sampler import Sampler
 from kiln.runner.startup import check_splits, fused_stack_weights, num_threads
-from kiln.runner.step_sampling import SamplePlan, StepSampling, step_prompt_logprobs
+from kiln.runner.step_sampling import (
+    SamplePlan,
+    StepSampling,
+    greedy_tokens,
+    plain_greedy,
+    step_prompt_logprobs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -347,6 +353,9 @@ class ModelRunner:
         batch, hidden = self.forward(sched, logits=True)
         if self.keep_hidden:  # a speculator (kiln.speculative) reads this step's hidden states
             self.last_step = StepHidden(batch, hidden)
+        if plain_greedy(sched.scheduled):  # argmax only: no plan, masks or verification
+            logits = self.model.compute_logits(hidden[batch.logits_index]).float()
+            return RunnerOutput(greedy_tokens(batch.rows, logits, self.vocab_size))
         plan = self._plan(sched, batch.rows)
         if self._shortlisted(sched, plan):
             return self._outputs_shortlisted(sched, batch, hidden, plan)

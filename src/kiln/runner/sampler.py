@@ -87,7 +87,7 @@ class Sampler:
         (else None)."""
         masked = bitmask is not None and any(r.bitmask_row is not None for r in rows)
         min_tok = any(r.params.min_tokens > len(r.output_token_ids) for r in rows)
-        penalized = any(_has_penalty(r.params) for r in rows)
+        penalized = any(has_penalty(r.params) for r in rows)
         if not (masked or min_tok or penalized):
             return logits, None
         if masked and not (min_tok or penalized) and all(r.params.greedy for r in rows):
@@ -192,7 +192,7 @@ def take_rows(t: torch.Tensor, index: list[int]) -> torch.Tensor:
     return t[torch.tensor(index, dtype=torch.long, device=t.device)]
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 

@@ -13,7 +13,14 @@ import torch
 from kiln.engine.contract import ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kiln.runner.batch import LogitsRows
 from kiln.runner.hooks import StepGrammar
-from kiln.runner.sampler import Sampler, SamplingRow, compute_logprobs, take_rows
+from kiln.runner.sampler import (
+    Sampler,
+    SamplingRow,
+    compute_logprobs,
+    has_penalty,
+    row_argmax,
+    take_rows,
+)
 from kiln.runner.verify import VerifyGroup, verify
 
 
@@ -88,6 +95,26 @@ class StepSampling:
                 self._generators[item.request_id] = gen
         history = item.output_token_ids + drafts_before if drafts_before else item.output_token_ids
         return SamplingRow(item.params, item.prompt_token_ids, history, gen)
+
+
+def plain_greedy(scheduled: list[ScheduledRequest]) -> bool:
+    """Whether every request of the step takes its raw logits' argmax and nothing else: greedy,
+    no drafts, no grammar, no penalties or pending min_tokens, no logprobs of any kind (a
+    batch-1 decode step's usual case, whose sampling rows, plan and verification cost ~0.2 ms
+    of a ~9 ms step)."""
+    return all(item.num_draft_tokens == 0 and item.grammar is None and not item.prompt_logprobs
+               and item.params.greedy and item.params.logprobs is None
+               and not has_penalty(item.params)
+               and item.params.min_tokens <= len(item.output_token_ids)
+               for item in scheduled)
+
+
+def greedy_tokens(rows: list[LogitsRows], logits: torch.Tensor,
+                  vocab_size: int) -> list[list[int]]:
+    """Each request's one token for a `plain_greedy` step ([] where it does not sample): the
+    argmax of its sampling row over the vocabulary, as `StepSampling.sample` gives it."""
+    chosen = row_argmax(logits[:, :vocab_size]).tolist()
+    return [[chosen[r.sample_start]] if r.num_sample else [] for r in rows]
 
 
 def step_prompt_logprobs(sched: SchedulerOutput, rows: list[LogitsRows],
