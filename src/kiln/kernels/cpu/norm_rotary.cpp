@@ -40,29 +40,40 @@ void rms_rows(T* out, T* x, T* residual, const T* w, int64_t rows, int64_t dim,
 
 }  // namespace
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// rms_norm into `out` (contiguous, x's shape and dtype): the fused stack's one buffer per call.
+void rms_norm_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   auto xc = x.contiguous();
-  auto out = at::empty_like(xc);
   const int64_t dim = xc.size(-1), rows = xc.numel() / dim;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "rms_norm", [&] {
     rms_rows<scalar_t>(out.data_ptr<scalar_t>(), xc.data_ptr<scalar_t>(), nullptr,
                        weight.data_ptr<scalar_t>(), rows, dim, dim, eps);
   });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  rms_norm_into(out, x, weight, eps);
   return out;
 }
 
-// residual += x (in place); returns rms_norm(residual).
-at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
-                        double eps) {
+// residual += x (in place); out = rms_norm(residual).
+void add_rms_norm_into(at::Tensor& out, const at::Tensor& x, at::Tensor& residual,
+                       const at::Tensor& weight, double eps) {
   TORCH_CHECK(residual.is_contiguous(), "residual must be contiguous");
   auto xc = x.contiguous();
-  auto out = at::empty_like(residual);
   const int64_t dim = xc.size(-1), rows = xc.numel() / dim;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "add_rms", [&] {
     rms_rows<scalar_t>(out.data_ptr<scalar_t>(), xc.data_ptr<scalar_t>(),
                        residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), rows, dim,
                        dim, eps);
   });
+}
+
+// residual += x (in place); returns rms_norm(residual).
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps) {
+  auto out = at::empty_like(residual);
+  add_rms_norm_into(out, x, residual, weight, eps);
   return out;
 }
 

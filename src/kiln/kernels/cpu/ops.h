@@ -12,6 +12,9 @@ namespace kiln {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                         double eps);
+void rms_norm_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm_into(at::Tensor& out, const at::Tensor& x, at::Tensor& residual,
+                       const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& x);
 void rotary_inplace(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                     const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,

@@ -88,6 +88,21 @@ at::Tensor sparse_block(const at::Tensor& h, const at::Tensor& router, at::Tenso
   return moe_experts_vnni(h, experts, weights, gate_up, down, std::nullopt);
 }
 
+// write_kv for the k and v columns of qkv [T, q + 2 kv] (k from column k_off, v after it):
+// each token's rows copied to its slot, with no tensor views made per layer (a batch-1 step
+// makes 30 layers' worth; each view and check reaches cold memory after the weights stream).
+void copy_kv_rows(const at::Tensor& qkv, int64_t k_off, int64_t width, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const int64_t* slot) {
+  const int64_t bytes = width * qkv.element_size(), row = qkv.stride(0) * qkv.element_size();
+  const char* src = static_cast<const char*>(qkv.data_ptr()) + k_off * qkv.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < qkv.size(0); ++t) {
+    std::memcpy(kc + slot[t] * bytes, src + t * row, bytes);
+    std::memcpy(vc + slot[t] * bytes, src + t * row + bytes, bytes);
+  }
+}
+
 }  // namespace
 
 at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
@@ -121,13 +136,16 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
   const int64_t tokens = x_in.size(0), q_size = num_heads * head_dim;
   const int64_t kv_size = num_kv_heads * head_dim;
   at::Tensor x = x_in, residual;
+  const at::Tensor slots = slot_mapping.contiguous().to(at::kLong);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  // every norm's output, layer after layer (each is read by the GEMV right after it)
+  at::Tensor h = at::empty_like(x_in, at::MemoryFormat::Contiguous);
   for (int64_t l = 0; l < layers; ++l) {
-    at::Tensor h;
     if (l == 0) {
       residual = x;
-      h = rms_norm(x, input_norm[l], eps);
+      rms_norm_into(h, x, input_norm[l], eps);
     } else {
-      h = add_rms_norm(x, residual, input_norm[l], eps);
+      add_rms_norm_into(h, x, residual, input_norm[l], eps);
     }
     at::Tensor qkv = stack_linear(h, qkv_proj, qkv_scale, l, plain_bf16);
     if (q_norm.empty())
@@ -135,12 +153,10 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
     else
       qk_norm_rotary_inplace(qkv, positions, q_norm[l], k_norm[l], eps, cos32, sin32,
                              num_heads, num_kv_heads, head_dim);
-    const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
-    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
-    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size)
-                             .view({tokens, num_kv_heads, head_dim});
-    at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
-    write_kv(k, v, k_cache, v_cache, slot_mapping);
+    const at::Tensor q = qkv.as_strided({tokens, num_heads, head_dim}, {qkv.stride(0), head_dim, 1});
+    const at::Tensor& k_cache = k_caches[l];
+    const at::Tensor& v_cache = v_caches[l];
+    copy_kv_rows(qkv, q_size, kv_size, k_cache, v_cache, slot);
     at::Tensor attn = at::empty({tokens, q_size}, qkv.options());
     if (short_table.has_value())
       paged_attention(attn, q, k_cache, v_cache, *short_table, *short_start, *short_lens,
@@ -150,7 +166,7 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
                         *long_context, block_size, scale);
     const at::Tensor o = reduced(stack_linear(attn, o_proj, o_scale, l, plain_bf16),
                                  reduce_segment, reduce_rank, reduce_timeout_s);
-    h = add_rms_norm(o, residual, post_norm[l], eps);
+    add_rms_norm_into(h, o, residual, post_norm[l], eps);
     const std::optional<at::Tensor> gate = router.get(l);
     if (gate.has_value())  // gate_up_proj[l], down_proj[l]: the layer's stacked experts
       x = sparse_block(h, *gate, *expert_tokens.get(l), gate_up_proj[l], down_proj[l],
