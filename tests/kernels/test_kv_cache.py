@@ -24,6 +24,10 @@ def test_write_kv_writes_each_tokens_heads_to_its_slot(dtype):
     expected_k[slots], expected_v[slots] = k, v
     torch.ops.kiln.write_kv(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    k_own = k.contiguous()  # k made contiguous (its own row stride), v still a slice of qkv
+    k_cache.zero_(), v_cache.zero_()
+    torch.ops.kiln.write_kv(k_own, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -5,24 +5,30 @@
 
 namespace kiln {
 
+// kc[slot[t]] = k[t], vc[slot[t]] = v[t] for t < tokens: rows of `bytes` bytes, token t's k
+// row `k_stride` bytes after token t - 1's, its v row `v_stride` (any dtype: a byte copy).
+void write_kv_rows(const char* k, int64_t k_stride, const char* v, int64_t v_stride,
+                   int64_t bytes, int64_t tokens, char* kc, char* vc, const int64_t* slot) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(kc + slot[t] * bytes, k + t * k_stride, bytes);
+    std::memcpy(vc + slot[t] * bytes, v + t * v_stride, bytes);
+  }
+}
+
 // k_cache[slot[t]] = k[t]; v_cache[slot[t]] = v[t]. k, v: [T, Hkv, D] (row-strided views ok).
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
               at::Tensor& v_cache, const at::Tensor& slot_mapping) {
-  const int64_t tokens = k.size(0), width = k.size(1) * k.size(2);
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2), "k heads must be packed");
   TORCH_CHECK(v.stride(2) == 1 && v.stride(1) == v.size(2), "v heads must be packed");
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && k_cache.scalar_type() == k.scalar_type() &&
+                  v_cache.scalar_type() == k.scalar_type(),
+              "write_kv: k, v and the caches must share a dtype");
   auto slots = slot_mapping.contiguous().to(at::kLong);
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
-    const scalar_t* kp = k.data_ptr<scalar_t>();
-    const scalar_t* vp = v.data_ptr<scalar_t>();
-    scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    scalar_t* vc = v_cache.data_ptr<scalar_t>();
-    for (int64_t t = 0; t < tokens; ++t) {
-      std::copy_n(kp + t * k.stride(0), width, kc + sl[t] * width);
-      std::copy_n(vp + t * v.stride(0), width, vc + sl[t] * width);
-    }
-  });
+  const int64_t es = k.element_size();
+  write_kv_rows(static_cast<const char*>(k.data_ptr()), k.stride(0) * es,
+                static_cast<const char*>(v.data_ptr()), v.stride(0) * es,
+                k.size(1) * k.size(2) * es, k.size(0), static_cast<char*>(k_cache.data_ptr()),
+                static_cast<char*>(v_cache.data_ptr()), slots.data_ptr<int64_t>());
 }
 
 // caches[i][dst[j]] = caches[i][src[j]] for every cache (any shape [slots, ...], contiguous)

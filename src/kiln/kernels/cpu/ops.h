@@ -25,6 +25,8 @@ void qk_norm_rotary_inplace(at::Tensor& qkv, const at::Tensor& positions,
                             int64_t num_kv_heads, int64_t head_dim);
 
 // kv_cache.cpp
+void write_kv_rows(const char* k, int64_t k_stride, const char* v, int64_t v_stride,
+                   int64_t bytes, int64_t tokens, char* kc, char* vc, const int64_t* slot);
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
               at::Tensor& v_cache, const at::Tensor& slot_mapping);
 void move_slots(at::TensorList caches, const at::Tensor& src, const at::Tensor& dst);

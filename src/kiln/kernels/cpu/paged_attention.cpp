@@ -378,8 +378,8 @@ void weighted_values_f32(const float* p, const float* vf, float* acc, int64_t ro
 
 // attend_one for bf16 caches and head dims 64/128, over kv heads [h0, h1), query tokens
 // [i0, i1) and query heads [g0, g1) of each kv head's group, of one sequence at once (the
-// heads' rows read ahead first where `touch`): each block's cache rows (every head of a slot is one
-// contiguous row) are read in one sweep and the next block's keys and this block's values are
+// heads' rows read ahead first where `touch`): each block's cache rows (every head of a slot
+// is one contiguous row) are read in one sweep and the next block's keys and this block's values are
 // prefetched, so a sequence's KV streams from memory instead of arriving head by head in
 // scattered lines. Each query row's arithmetic is the same whichever others share its job.
 template <int D>

@@ -88,21 +88,6 @@ at::Tensor sparse_block(const at::Tensor& h, const at::Tensor& router, at::Tenso
   return moe_experts_vnni(h, experts, weights, gate_up, down, std::nullopt);
 }
 
-// write_kv for the k and v columns of qkv [T, q + 2 kv] (k from column k_off, v after it):
-// each token's rows copied to its slot, with no tensor views made per layer (a batch-1 step
-// makes 30 layers' worth; each view and check reaches cold memory after the weights stream).
-void copy_kv_rows(const at::Tensor& qkv, int64_t k_off, int64_t width, const at::Tensor& k_cache,
-                  const at::Tensor& v_cache, const int64_t* slot) {
-  const int64_t bytes = width * qkv.element_size(), row = qkv.stride(0) * qkv.element_size();
-  const char* src = static_cast<const char*>(qkv.data_ptr()) + k_off * qkv.element_size();
-  char* kc = static_cast<char*>(k_cache.data_ptr());
-  char* vc = static_cast<char*>(v_cache.data_ptr());
-  for (int64_t t = 0; t < qkv.size(0); ++t) {
-    std::memcpy(kc + slot[t] * bytes, src + t * row, bytes);
-    std::memcpy(vc + slot[t] * bytes, src + t * row + bytes, bytes);
-  }
-}
-
 }  // namespace
 
 at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
@@ -153,10 +138,17 @@ at::Tensor llama_stack(const at::Tensor& x_in, const at::Tensor& positions,
     else
       qk_norm_rotary_inplace(qkv, positions, q_norm[l], k_norm[l], eps, cos32, sin32,
                              num_heads, num_kv_heads, head_dim);
-    const at::Tensor q = qkv.as_strided({tokens, num_heads, head_dim}, {qkv.stride(0), head_dim, 1});
+    // q as one strided view; k and v copied to their slots straight from qkv's columns (no
+    // views per layer: each reaches cold memory after the weights' stream)
+    const at::Tensor q = qkv.as_strided({tokens, num_heads, head_dim},
+                                        {qkv.stride(0), head_dim, 1});
     const at::Tensor& k_cache = k_caches[l];
     const at::Tensor& v_cache = v_caches[l];
-    copy_kv_rows(qkv, q_size, kv_size, k_cache, v_cache, slot);
+    const int64_t es = qkv.element_size(), row = qkv.stride(0) * es;
+    const auto* k = static_cast<const char*>(qkv.data_ptr()) + q_size * es;
+    write_kv_rows(k, row, k + kv_size * es, row, kv_size * es, tokens,
+                  static_cast<char*>(k_cache.data_ptr()), static_cast<char*>(v_cache.data_ptr()),
+                  slot);
     at::Tensor attn = at::empty({tokens, q_size}, qkv.options());
     if (short_table.has_value())
       paged_attention(attn, q, k_cache, v_cache, *short_table, *short_start, *short_lens,
