@@ -41,12 +41,14 @@ def run(ps, new):
     return dt
 
 
-def ceiling_tok_s():
-    """Batch-1 decode ceiling now: the best read rate of ceiling.py's methods / bytes a step
-    reads (the weights)."""
+if ceiling:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from ceiling import bandwidth, decode_bytes
 
+
+def ceiling_tok_s():
+    """Batch-1 decode ceiling now: the best read rate of ceiling.py's methods / bytes a step
+    reads (the weights)."""
     gbs = bandwidth(1024, 5, use_cpp=True)["best"]
     return gbs, gbs * 1e9 / decode_bytes(Path(ckpt))
 

@@ -353,13 +353,12 @@ class ModelRunner:
         batch, hidden = self.forward(sched, logits=True)
         if self.keep_hidden:  # a speculator (kiln.speculative) reads this step's hidden states
             self.last_step = StepHidden(batch, hidden)
-        if plain_greedy(sched.scheduled):  # argmax only: no plan, masks or verification
-            logits = self.model.compute_logits(hidden[batch.logits_index]).float()
-            return RunnerOutput(greedy_tokens(batch.rows, logits, self.vocab_size))
-        plan = self._plan(sched, batch.rows)
-        if self._shortlisted(sched, plan):
+        plan = None if plain_greedy(sched.scheduled) else self._plan(sched, batch.rows)
+        if plan is not None and self._shortlisted(sched, plan):
             return self._outputs_shortlisted(sched, batch, hidden, plan)
         logits = self.model.compute_logits(hidden[batch.logits_index]).float()
+        if plan is None:  # argmax only: no plan, masks or verification
+            return RunnerOutput(greedy_tokens(batch.rows, logits, self.vocab_size))
         return self._outputs(sched, batch, logits, plan)
 
     def _execute_data_parallel(self, sched: SchedulerOutput) -> RunnerOutput:

@@ -86,7 +86,7 @@ class Sampler:
         """`process`'s logits, and their row argmax when the greedy fast path worked it out
         (else None)."""
         masked = bitmask is not None and any(r.bitmask_row is not None for r in rows)
-        min_tok = any(r.params.min_tokens > len(r.output_token_ids) for r in rows)
+        min_tok = any(min_tokens_pending(r.params, r.output_token_ids) for r in rows)
         penalized = any(has_penalty(r.params) for r in rows)
         if not (masked or min_tok or penalized):
             return logits, None
@@ -190,6 +190,11 @@ def take_rows(t: torch.Tensor, index: list[int]) -> torch.Tensor:
     if len(index) == t.shape[0] and index == list(range(len(index))):
         return t
     return t[torch.tensor(index, dtype=torch.long, device=t.device)]
+
+
+def min_tokens_pending(p: SamplingParams, output_token_ids: list[int]) -> bool:
+    """Whether EOS and stop tokens are still banned (fewer outputs than min_tokens)."""
+    return p.min_tokens > len(output_token_ids)
 
 
 def has_penalty(p: SamplingParams) -> bool:

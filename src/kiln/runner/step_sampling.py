@@ -18,6 +18,7 @@ from kiln.runner.sampler import (
     SamplingRow,
     compute_logprobs,
     has_penalty,
+    min_tokens_pending,
     row_argmax,
     take_rows,
 )
@@ -105,7 +106,7 @@ def plain_greedy(scheduled: list[ScheduledRequest]) -> bool:
     return all(item.num_draft_tokens == 0 and item.grammar is None and not item.prompt_logprobs
                and item.params.greedy and item.params.logprobs is None
                and not has_penalty(item.params)
-               and item.params.min_tokens <= len(item.output_token_ids)
+               and not min_tokens_pending(item.params, item.output_token_ids)
                for item in scheduled)
 
 
