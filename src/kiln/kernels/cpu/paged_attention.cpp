@@ -69,11 +69,13 @@ inline void touch_rows(const T* kc, const T* vc, const int64_t* table, int64_t n
                        int64_t width, int64_t block_size) {
   int sink = 0;
   const int64_t bytes = width * static_cast<int64_t>(sizeof(T));
-  for (int64_t j = 0; j < nk; ++j) {
-    const int64_t slot = table[j / block_size] * block_size + j % block_size;
-    const auto* k = reinterpret_cast<const char*>(kc + slot * row);
-    const auto* v = reinterpret_cast<const char*>(vc + slot * row);
-    for (int64_t b = 0; b < bytes; b += 64) sink += k[b] + v[b];
+  const int64_t step = row * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = 0; b * block_size < nk; ++b) {  // block by block: no division per key
+    const int64_t n = std::min(block_size, nk - b * block_size);
+    const auto* k = reinterpret_cast<const char*>(kc + table[b] * block_size * row);
+    const auto* v = reinterpret_cast<const char*>(vc + table[b] * block_size * row);
+    for (int64_t j = 0; j < n; ++j, k += step, v += step)
+      for (int64_t x = 0; x < bytes; x += 64) sink += k[x] + v[x];
   }
   asm volatile("" : : "r"(sink));  // keeps the loads from being optimized away
 }
@@ -174,7 +176,11 @@ void key_scores(const float* qf, const T* kc, const int64_t* table, float* score
 }
 
 // acc[r] = sum_j p[r, j] V[j] for every row r of one kv head. With AVX-512, fp32 accumulators
-// for up to 4 rows of a 64- or 128-wide head stay in registers across all keys.
+// for up to 4 rows of a 64-wide head (2 of a 128-wide one) stay in registers across all keys:
+// one flat loop over the keys, a block's first row looked up as the loop reaches it. (Nested
+// loops, blocks then their keys, made GCC 12 store every accumulator to the stack on every
+// key: batch 64 at 192 keys, 30 layers from DRAM, with the block-wise read-ahead: 26.8 ->
+// 23.1 ms, from cache 16.1 -> 11.5 ms.)
 #if defined(__AVX512F__)
 template <int ROWS, int CHUNKS, typename T>
 void weighted_values_regs(const float* p, const T* vc, const int64_t* table, float* acc,
@@ -183,20 +189,23 @@ void weighted_values_regs(const float* p, const T* vc, const int64_t* table, flo
   __m512 a[ROWS][CHUNKS];
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < CHUNKS; ++c) a[r][c] = _mm512_setzero_ps();
-  for (int64_t j0 = 0; j0 < nk;) {
-    const int64_t n = std::min<int64_t>({16, block_size - j0 % block_size, nk - j0});
-    const int64_t slot = table[j0 / block_size] * block_size + j0 % block_size;
-    const T* base = vc + (slot * hkv + kvh) * d;
-    for (int64_t i = 0; i < n; ++i) {
-      const T* vrow = base + i * hkv * d;
-      __m512 v[CHUNKS];
-      for (int c = 0; c < CHUNKS; ++c) v[c] = load16(vrow + c * 16);
-      for (int r = 0; r < ROWS; ++r) {
-        const __m512 w = _mm512_set1_ps(p[r * nk + j0 + i]);
-        for (int c = 0; c < CHUNKS; ++c) a[r][c] = _mm512_fmadd_ps(w, v[c], a[r][c]);
-      }
+  const int64_t step = hkv * d;  // elements between consecutive slots' rows
+  const T* vrow = nullptr;
+  int64_t left = 0;  // rows left in the current block
+  for (int64_t j = 0; j < nk; ++j) {
+    if (left == 0) {
+      const int64_t b = j / block_size, off = j - b * block_size;
+      vrow = vc + ((table[b] * block_size + off) * hkv + kvh) * d;
+      left = block_size - off;
     }
-    j0 += n;
+    __m512 v[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) v[c] = load16(vrow + c * 16);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r * nk + j]);
+      for (int c = 0; c < CHUNKS; ++c) a[r][c] = _mm512_fmadd_ps(w, v[c], a[r][c]);
+    }
+    vrow += step;
+    --left;
   }
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(acc + r * d + c * 16, a[r][c]);
@@ -207,9 +216,10 @@ void weighted_values_rows(const float* p, const T* vc, const int64_t* table, flo
                           int64_t rows, int64_t nk, int64_t kvh, int64_t hkv,
                           int64_t block_size) {
   constexpr int64_t d = CHUNKS * 16;
+  constexpr int R = CHUNKS == 4 ? 4 : 2;  // R x CHUNKS accumulators + CHUNKS values: <= 32
   int64_t r0 = 0;
-  for (; r0 + 4 <= rows; r0 += 4)
-    weighted_values_regs<4, CHUNKS>(p + r0 * nk, vc, table, acc + r0 * d, nk, kvh, hkv, block_size);
+  for (; r0 + R <= rows; r0 += R)
+    weighted_values_regs<R, CHUNKS>(p + r0 * nk, vc, table, acc + r0 * d, nk, kvh, hkv, block_size);
   const float* pr = p + r0 * nk;
   float* ar = acc + r0 * d;
   switch (rows - r0) {  // the rest in one pass over the values
