@@ -12,22 +12,29 @@ pytestmark = needs_cpu_kernels
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_write_kv_writes_each_tokens_heads_to_its_slot(dtype):
+@pytest.mark.parametrize("tokens, threads", [(5, 2), (16, 2), (97, 2), (97, 1)])
+def test_write_kv_writes_each_tokens_heads_to_its_slot(dtype, tokens, threads):
     """k and v as column slices of one qkv row (row-strided, heads packed), as the runner
-    passes them: row t lands in slot slot_mapping[t] of each cache, nothing else changes."""
+    passes them: row t lands in slot slot_mapping[t] of each cache, nothing else changes
+    (from 16 tokens the threads share the rows)."""
     gen = torch.Generator().manual_seed(0)
-    qkv = torch.randn(5, 3 * 2 * 8, generator=gen).to(dtype)
-    k, v = qkv[:, 16:32].view(5, 2, 8), qkv[:, 32:].view(5, 2, 8)
-    k_cache, v_cache = torch.zeros(40, 2, 8, dtype=dtype), torch.zeros(40, 2, 8, dtype=dtype)
-    slots = torch.tensor([3, 9, 0, 33, 17])
+    qkv = torch.randn(tokens, 3 * 2 * 8, generator=gen).to(dtype)
+    k, v = qkv[:, 16:32].view(tokens, 2, 8), qkv[:, 32:].view(tokens, 2, 8)
+    k_cache, v_cache = torch.zeros(200, 2, 8, dtype=dtype), torch.zeros(200, 2, 8, dtype=dtype)
+    slots = torch.randperm(200, generator=gen)[:tokens]
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     expected_k[slots], expected_v[slots] = k, v
-    torch.ops.kiln.write_kv(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-    k_own = k.contiguous()  # k made contiguous (its own row stride), v still a slice of qkv
-    k_cache.zero_(), v_cache.zero_()
-    torch.ops.kiln.write_kv(k_own, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.ops.kiln.write_kv(k, v, k_cache, v_cache, slots)
+        assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+        k_own = k.contiguous()  # k made contiguous (its own row stride), v a slice of qkv
+        k_cache.zero_(), v_cache.zero_()
+        torch.ops.kiln.write_kv(k_own, v, k_cache, v_cache, slots)
+        assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

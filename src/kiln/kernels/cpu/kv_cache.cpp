@@ -7,12 +7,21 @@ namespace kiln {
 
 // kc[slot[t]] = k[t], vc[slot[t]] = v[t] for t < tokens: rows of `bytes` bytes, token t's k
 // row `k_stride` bytes after token t - 1's, its v row `v_stride` (any dtype: a byte copy).
+// From KV_WRITE_SPLIT tokens on, the threads share the rows: each write lands in a cold line
+// (the cache was last touched a step ago), so the copies wait on memory, and two threads keep
+// twice as many of those misses in flight.
+constexpr int64_t KV_WRITE_SPLIT = 16;
+
 void write_kv_rows(const char* k, int64_t k_stride, const char* v, int64_t v_stride,
                    int64_t bytes, int64_t tokens, char* kc, char* vc, const int64_t* slot) {
-  for (int64_t t = 0; t < tokens; ++t) {
-    std::memcpy(kc + slot[t] * bytes, k + t * k_stride, bytes);
-    std::memcpy(vc + slot[t] * bytes, v + t * v_stride, bytes);
-  }
+  const auto rows = [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + slot[t] * bytes, k + t * k_stride, bytes);
+      std::memcpy(vc + slot[t] * bytes, v + t * v_stride, bytes);
+    }
+  };
+  if (tokens < KV_WRITE_SPLIT) return rows(0, tokens);
+  at::parallel_for(0, tokens, KV_WRITE_SPLIT / 2, rows);
 }
 
 // k_cache[slot[t]] = k[t]; v_cache[slot[t]] = v[t]. k, v: [T, Hkv, D] (row-strided views ok).

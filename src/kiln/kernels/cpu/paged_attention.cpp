@@ -178,9 +178,9 @@ void key_scores(const float* qf, const T* kc, const int64_t* table, float* score
 // acc[r] = sum_j p[r, j] V[j] for every row r of one kv head. With AVX-512, fp32 accumulators
 // for up to 4 rows of a 64-wide head (2 of a 128-wide one) stay in registers across all keys:
 // one flat loop over the keys, a block's first row looked up as the loop reaches it. (Nested
-// loops, blocks then their keys, made GCC 12 store every accumulator to the stack on every
-// key: batch 64 at 192 keys, 30 layers from DRAM, with the block-wise read-ahead: 26.8 ->
-// 23.1 ms, from cache 16.1 -> 11.5 ms.)
+// loops, blocks then their keys, made GCC 12 store every accumulator of 3 or more rows to the
+// stack on every key. With the block-wise read-ahead, batch 64 at 192 keys, 30 layers: from
+// memory 25.7 -> 23.0 ms, from cache 15.2 -> 11.6 ms; benchmarks/experiments/attention_ab.py.)
 #if defined(__AVX512F__)
 template <int ROWS, int CHUNKS, typename T>
 void weighted_values_regs(const float* p, const T* vc, const int64_t* table, float* acc,
