@@ -10,8 +10,11 @@ ceiling they imply for the default model, so every speed figure is also a fracti
   layers run it (prepacked weights: AMX tiles where the CPU has them) and again with oneDNN
   capped at AVX512-BF16 (`ONEDNN_MAX_CPU_ISA`, in a child process: the AVX-512 figure on an AMX
   CPU); the LM head's fp32-output oneDNN path; kiln's own `bf16_gemm_f32` kernel; int8 GEMM
-  (`torch._int_mm`: oneDNN's int8 gemm, AMX-INT8 or VNNI) with and without the cap; fp32 GEMM.
-  Each row names the oneDNN kernel that ran (from ONEDNN_VERBOSE).
+  (`torch._int_mm`: oneDNN's int8 gemm, AMX-INT8 or VNNI) with and without the cap; fp32 GEMM;
+  kiln's VNNI-packed bf16 GEMM (the dense layers on AVX512-BF16 CPUs without AMX, 0013). Each
+  row names the oneDNN kernel that ran (from ONEDNN_VERBOSE). Beside them, where the CPU has
+  AVX512-BF16, the rate at which the cores issue `vdpbf16ps` with every operand in registers
+  (24 independent accumulators per thread): what no bf16 GEMM on those units can pass.
 - The dispatch crossover (kiln.kernels.isa.gemm_dispatch): for the GEMMs the row count sends
   to oneDNN on AMX CPUs (the LM head's fp32-output product, int8 weight-only layers) at the
   default model's shapes, microseconds per call of kiln's path and oneDNN's at each row count
@@ -51,6 +54,7 @@ import torch
 from kiln.kernels import cpu as cpu_kernels
 from kiln.kernels import quant_mm
 from kiln.kernels.bf16_mm import onednn_available, onednn_bf16_linear_fp32
+from kiln.kernels.bf16_vnni import pack_vnni, vnni_available, vnni_mm
 from kiln.kernels.isa import cpu_isa, onednn_implementations
 from kiln.models.arena import huge_page_buffer
 
@@ -75,6 +79,53 @@ int64_t read_all(const at::Tensor& buffer) {
     total += local;
   });
   return static_cast<int64_t>(total.load());
+}
+"""
+
+
+_DOT_PEAK_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <atomic>
+#include <chrono>
+
+// GFLOP/s of vdpbf16ps issued back to back by every thread, operands in registers: 24
+// accumulators (8 rows x 3 blocks, the shape of kiln's VNNI tile), 64 flops per instruction.
+double bf16_dot_peak(int64_t iters) {
+#if defined(__AVX512BF16__)
+  const int64_t threads = at::get_num_threads();
+  std::atomic<int64_t> sink{0};
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      __m512 acc[24];
+      for (int i = 0; i < 24; ++i) acc[i] = _mm512_setzero_ps();
+      const __m512bh w0 = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+      const __m512bh w1 = (__m512bh)_mm512_set1_epi32(0x3f813f81);
+      const __m512bh w2 = (__m512bh)_mm512_set1_epi32(0x3f823f82);
+      __m512i xi = _mm512_set1_epi32(0x3c003c00);
+      for (int64_t it = 0; it < iters; ++it) {
+        const __m512bh x = (__m512bh)xi;
+        for (int m = 0; m < 8; ++m) {
+          acc[3 * m] = _mm512_dpbf16_ps(acc[3 * m], w0, x);
+          acc[3 * m + 1] = _mm512_dpbf16_ps(acc[3 * m + 1], w1, x);
+          acc[3 * m + 2] = _mm512_dpbf16_ps(acc[3 * m + 2], w2, x);
+        }
+        asm volatile("" : "+v"(xi));  // a fresh operand each round: nothing hoisted
+      }
+      __m512 sum = _mm512_setzero_ps();
+      for (int i = 0; i < 24; ++i) sum = _mm512_add_ps(sum, acc[i]);
+      sink += static_cast<int64_t>(_mm512_reduce_add_ps(sum)) & 1;
+    }
+  });
+  const double seconds = std::chrono::duration<double>(
+      std::chrono::steady_clock::now() - start).count();
+  return static_cast<double>(iters) * 24 * 64 * threads / seconds / 1e9 + 0 * sink.load();
+#else
+  return 0.0;
+#endif
 }
 """
 
@@ -146,9 +197,33 @@ def matrix_candidates(n: int) -> dict[str, Callable[[], object]]:
         found["bf16->fp32 oneDNN (LM head path)"] = lambda: onednn_bf16_linear_fp32(a16, b16)
     if cpu_kernels.load():
         found["bf16->fp32 kiln bf16_gemm_f32"] = lambda: torch.ops.kiln.bf16_gemm_f32(a16, b16)
+        if vnni_available():
+            vnni = pack_vnni(b16)
+            found["bf16 kiln VNNI-packed (bf16_vnni_mm)"] = lambda: vnni_mm(a16, vnni, n)
     found["int8 torch._int_mm (oneDNN)"] = lambda: torch._int_mm(a8, b8)
     found["fp32 torch matmul"] = lambda: a @ b
     return found
+
+
+def dot_peak(runs: int) -> MatrixFigure | None:
+    """The vdpbf16ps issue rate with operands in registers (None without AVX512-BF16 or a
+    compiler)."""
+    if "avx512-bf16" not in cpu_isa().extensions:
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        module = load_inline("kiln_ceiling_dot_peak", cpp_sources=_DOT_PEAK_SOURCE,
+                             functions=["bf16_dot_peak"],
+                             extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                             extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # noqa: BLE001 - the GEMM figures stand without it
+        print(f"dot-product peak unavailable ({exc})", file=sys.stderr)
+        return None
+    module.bf16_dot_peak(1_000_000)  # warm: threads up, clocks settled
+    gflops = statistics.median(module.bf16_dot_peak(20_000_000) for _ in range(runs))
+    return MatrixFigure("bf16 vdpbf16ps peak (kiln loop, registers only)",
+                        round(gflops / 1e3, 3), "kiln C++")
 
 
 def kernel_of(fn: Callable[[], object], name: str) -> str:
@@ -349,6 +424,9 @@ def measure(args: argparse.Namespace, rows: list[int]) -> dict:
     isa = cpu_isa()
     bw = bandwidth(args.buffer_mib, args.runs, not args.no_cpp)
     matrix = matrix_peak(args.size, args.runs)
+    peak = dot_peak(args.runs)
+    if peak is not None:
+        matrix.append(peak)
     dense = {"default": dense_rows(args.model, rows, args.runs)}
     if "amx-bf16" in isa.extensions:  # the AVX-512 figures beside the AMX ones
         matrix += capped(args.size, args.runs, args.threads,
