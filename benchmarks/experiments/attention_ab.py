@@ -1,6 +1,6 @@
 """kiln's attention kernels in this tree against the same sources at another commit, in one
 process: each tree's paged_attention.cpp (decodes, drafts) and prefill_attention.cpp (long
-prefill chunks) are built as one extension (namespace renamed; both trees called the same way,
+prefill chunks) are built as one extension (namespace renamed, kiln's own flags; both trees called the same way,
 no dispatcher in either), both run on the same caches, their outputs must be equal bit for
 bit, and each is timed with its caches cold (a 256 MiB read between runs, so K and V come from
 memory as in a serving step) and warm (one layer's cache read again and again), alternated
@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load
 
+from kiln.kernels.cpu import FLAGS
 from kiln.models.arena import huge_page_buffer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,9 +70,7 @@ def build(rev: str | None, name: str):
     (folder / "glue.cpp").write_text(GLUE)
     paths = [str(folder / f) for f in (*SOURCES, "glue.cpp")]
     return load(name, paths, extra_include_paths=[str(KERNELS)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math",
-                              "-fno-finite-math-only"], extra_ldflags=["-fopenmp"],
-                verbose=False)
+                extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def layer_call(mod, out, q, kc, vc, table, start, lens, context, bs, scale, prefill):

@@ -44,6 +44,19 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+
+// The largest of n floats (-inf for none), 16 lanes at a time: the same value as a scalar
+// loop, max being exact in any order.
+inline float max16(const float* s, int64_t n) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t full = n / 16 * 16;
+  __m512 m = ninf;
+  for (int64_t j = 0; j < full; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+  if (n > full)
+    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(
+                             ninf, static_cast<__mmask16>((1u << (n - full)) - 1), s + full));
+  return _mm512_reduce_max_ps(m);
+}
 #endif
 
 // out[i] = e^(in[i] - shift) over n floats

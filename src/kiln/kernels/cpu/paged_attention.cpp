@@ -313,10 +313,7 @@ inline void softmax_row16(float* s, int64_t n) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t full = n / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (n - full)) - 1);
-  __m512 m = ninf;
-  for (int64_t j = 0; j < full; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
-  if (tail) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(ninf, tail, s + full));
-  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  const __m512 mx = _mm512_set1_ps(max16(s, n));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < full; j += 16) {
     const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx));

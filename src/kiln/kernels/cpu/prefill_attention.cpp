@@ -99,15 +99,8 @@ void pv_rows(const uint32_t* p, int64_t ldp, const uint16_t* vp, int64_t pairs, 
 // zero up to `width` (even); returns the fp32 sum of the unrounded exponentials.
 inline float softmax_bf16_row(float* s, int64_t n, int64_t width, float scale, uint16_t* p) {
   // the row's max 16 lanes at a time (a scalar loop here was a fifth of the kernel's time at
-  // 1,024 tokens): the same value, max being exact in any order
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 m = ninf;
-  const int64_t full = n / 16 * 16;
-  for (int64_t j = 0; j < full; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
-  if (n > full)
-    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(ninf, static_cast<__mmask16>((1u << (n - full)) - 1),
-                                              s + full));
-  const float mx = _mm512_reduce_max_ps(m);
+  // 1,024 tokens)
+  const float mx = max16(s, n);
   const __m512 sc = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-mx * scale);
   __m512 sum = _mm512_setzero_ps();
   int64_t j = 0;
