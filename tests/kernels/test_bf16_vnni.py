@@ -17,7 +17,7 @@ pytestmark = [needs_cpu_kernels,
 # (K, N): the default model's qkv / down projections, odd K, N off the 16-row block, N under
 # one panel of 4 blocks, N of 5 blocks (a panel and a narrower one)
 SHAPES = [(576, 960), (1536, 576), (33, 40), (7, 5), (64, 80)]
-TOKENS = [1, 2, 3, 5, 8, 13, 64]
+TOKENS = [1, 2, 3, 5, 8, 13, 24, 64, 257]  # from 8 to 256 a panel fetches the next one ahead
 
 
 def layer(k: int, n: int, m: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

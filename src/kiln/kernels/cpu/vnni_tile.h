@@ -14,10 +14,11 @@ inline constexpr int64_t kBlock = 16;  // output rows per block: one 512-bit vec
 
 // y[m, n0 + 16 v + i] for m < MT, v < NV: x rows of P int32 (bf16 pairs), `blocks` NV blocks
 // of the packed weight (each P * 32 bf16), the block's valid rows `valid` (16 except in the
-// last block of N % 16 != 0).
+// last block of N % 16 != 0). With `ahead`, the first `lines` (<= P) 64-byte lines from there
+// are fetched into L2, one per k-pair (vnni_panel: the next panel's weights).
 template <int MT, int NV, typename Out>
 inline void vnni_tile(const int32_t* x, int64_t P, const at::BFloat16* w, Out* y, int64_t N,
-                      int64_t n0) {
+                      int64_t n0, const char* ahead = nullptr, int64_t lines = 0) {
   __m512 acc[MT][NV];
   for (int m = 0; m < MT; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
@@ -25,6 +26,7 @@ inline void vnni_tile(const int32_t* x, int64_t P, const at::BFloat16* w, Out* y
   for (int64_t p = 0; p < P; ++p) {
     __m512i wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(w + v * stride + p * 2 * kBlock);
+    if (p < lines) _mm_prefetch(ahead + p * 64, _MM_HINT_T1);
     for (int m = 0; m < MT; ++m) {
       const __m512i xb = _mm512_set1_epi32(x[m * P + p]);
       for (int v = 0; v < NV; ++v)
@@ -46,15 +48,25 @@ inline void vnni_tile(const int32_t* x, int64_t P, const at::BFloat16* w, Out* y
   }
 }
 
-// Every token tile of x against NV blocks starting at block b.
+// Every token tile of x against NV blocks starting at block b. `next`: how many blocks after
+// the panel its 8-token tiles fetch into L2 as they go (their lines shared out over the tiles,
+// at most one per k-pair), so the next panel's first tile finds its weights there rather than
+// waiting on memory; the sums are the same either way.
 template <int NV, typename Out>
 inline void vnni_panel(const int32_t* x, int64_t M, int64_t P, const at::BFloat16* w, int64_t b,
-                Out* y, int64_t N) {
+                Out* y, int64_t N, int64_t next = 0) {
   const at::BFloat16* wb = w + b * P * 2 * kBlock;
   const int64_t n0 = b * kBlock;
   int64_t m = 0;
   if constexpr (NV <= 3) {  // 8 x 3 accumulators + 3 weights + 1 broadcast of 32 registers
-    for (; m + 8 <= M; m += 8) vnni_tile<8, NV>(x + m * P, P, wb, y + m * N, N, n0);
+    const auto* ahead = reinterpret_cast<const char*>(wb + NV * P * 2 * kBlock);
+    const int64_t lines = next * P, tiles = M / 8;  // a block is P lines of 64 bytes
+    for (int64_t i = 0, done = 0; m + 8 <= M; m += 8, ++i) {
+      const int64_t upto = lines * (i + 1) / tiles;
+      vnni_tile<8, NV>(x + m * P, P, wb, y + m * N, N, n0, ahead + done * 64,
+                       std::min(P, upto - done));
+      done = upto;
+    }
   }
   for (; m + 4 <= M; m += 4) vnni_tile<4, NV>(x + m * P, P, wb, y + m * N, N, n0);
   if (m + 2 <= M) {
