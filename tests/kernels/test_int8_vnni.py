@@ -36,7 +36,7 @@ needs_vnni = pytest.mark.skipif(not int8_vnni_available(), reason="no AVX512-VNN
 # (K, N): the default model's qkv and down projections, K and N off the quad and the block,
 # one input, one output row short of a block, a panel and a bit
 SHAPES = [(576, 960), (1536, 576), (33, 40), (7, 5), (1, 3), (64, 80)]
-TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 13]
+TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 13, 24]  # from 8 a panel fetches the next one ahead
 
 
 def int8_layer(k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -150,10 +150,12 @@ inline void store_block(const int32_t acc[3][kBlock], int64_t offset, double s,
 // The MT tokens of one tile (quads x: [P][MT][3]; their offsets and scales) against NV
 // consecutive blocks of packed weights w (each P lines of 64 bytes) with their row scales
 // `scale`: y[m * ldy + 16 v + i] for the first `rows_left` outputs (the rest of the last
-// block is padding).
+// block is padding). The first `lines` (<= P) 64-byte lines from `ahead` are fetched into L2,
+// one per k-quad (panel: the next panel's weights).
 template <int MT, int NV, typename Out>
 inline void tile(const int32_t* x, const int64_t* offset, const double* xs, int64_t P,
-                 const uint8_t* w, const float* scale, Out* y, int64_t ldy, int64_t rows_left) {
+                 const uint8_t* w, const float* scale, Out* y, int64_t ldy, int64_t rows_left,
+                 const uint8_t* ahead = nullptr, int64_t lines = 0) {
   constexpr int A = MT * 3 * NV;  // accumulator (m, j, v) at (m * 3 + j) * NV + v
   __m512i acc[A];
 #pragma GCC unroll 32
@@ -162,6 +164,7 @@ inline void tile(const int32_t* x, const int64_t* offset, const double* xs, int6
     __m512i wv[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(w + (v * P + p) * 64);
+    if (p < lines) _mm_prefetch(reinterpret_cast<const char*>(ahead + p * 64), _MM_HINT_T1);
 #pragma GCC unroll 32
     for (int i = 0; i < A; ++i) acc[i] = dpbusd_broadcast(acc[i], wv[i % NV], x + i / NV);
   }
@@ -183,15 +186,21 @@ inline void tile(const int32_t* x, const int64_t* offset, const double* xs, int6
 template <int MT, typename Out>
 inline void token_tile(const int32_t* x, const int64_t* offset, const double* xs, int64_t P,
                        const uint8_t* w, int64_t count, const float* scale, Out* y,
-                       int64_t ldy, int64_t rows_left) {
+                       int64_t ldy, int64_t rows_left, const uint8_t* ahead = nullptr,
+                       int64_t lines = 0) {
   // one token (batch-1 decode): one block at a time, so the run's weights, laid end to end,
   // stream sequentially (as gemm_vnni.cpp's one-token case); a block's sums do not depend on NV
   constexpr int NV = MT == 1 ? 1 : (MT <= 2 ? 4 : (MT <= 4 ? 2 : 1));
   int64_t i = 0;
-  // block i of the run: its weights, scales, outputs and the rows from it to the end
-  for (; i + NV <= count; i += NV)
+  // block i of the run: its weights, scales, outputs and the rows from it to the end; `lines`
+  // ahead shared out over the register tiles (panel)
+  const int64_t calls = (count + NV - 1) / NV;
+  for (int64_t c = 0, done = 0; i + NV <= count; i += NV, ++c) {
+    const int64_t upto = lines * (c + 1) / calls;
     tile<MT, NV, Out>(x, offset, xs, P, w + i * P * 64, scale + i * kBlock, y + i * kBlock, ldy,
-                      rows_left - i * kBlock);
+                      rows_left - i * kBlock, ahead + done * 64, std::min(P, upto - done));
+    done = upto;
+  }
   for (; i < count; ++i)
     tile<MT, 1, Out>(x, offset, xs, P, w + i * P * 64, scale + i * kBlock, y + i * kBlock, ldy,
                      rows_left - i * kBlock);
@@ -200,16 +209,27 @@ inline void token_tile(const int32_t* x, const int64_t* offset, const double* xs
 // M tokens (digits from `quads`, laid out in tiles from token 0: see the top of this file;
 // offsets and scales per token) against `count` consecutive blocks from w, every token tile
 // over the same blocks in turn (they stay in cache between tiles): y [M, ldy] from column 0
-// of the first block, `rows_left` outputs from there to the end of the projection.
+// of the first block, `rows_left` outputs from there to the end of the projection. `next`:
+// how many blocks after these the full 8-token tiles fetch into L2 as they go (at most one
+// line per k-quad of each register tile), so the next panel's first tile finds them there.
 template <typename Out>
 inline void panel(const int32_t* quads, const int64_t* offset, const double* xs, int64_t M,
                   int64_t P, const uint8_t* w, int64_t count, const float* scale, Out* y,
-                  int64_t ldy, int64_t rows_left) {
-  for (int64_t m0 = 0; m0 < M; m0 += kTokenTile) {
+                  int64_t ldy, int64_t rows_left, int64_t next = 0) {
+  const uint8_t* ahead = w + count * P * 64;
+  const int64_t lines = next * P, tiles = M / kTokenTile;
+  for (int64_t m0 = 0, t = 0, done = 0; m0 < M; m0 += kTokenTile, ++t) {
     const int32_t* x = quads + 3 * P * m0;
     const int64_t* o = offset + m0;
     const double* s = xs + m0;
     Out* ym = y + m0 * ldy;
+    if (M - m0 >= kTokenTile && lines) {  // full 8-token tiles fetch the next panel ahead
+      const int64_t upto = lines * (t + 1) / tiles;
+      token_tile<8, Out>(x, o, s, P, w, count, scale, ym, ldy, rows_left, ahead + done * 64,
+                         upto - done);
+      done = upto;
+      continue;
+    }
     switch (std::min(kTokenTile, M - m0)) {
       case 1: token_tile<1, Out>(x, o, s, P, w, count, scale, ym, ldy, rows_left); break;
       case 2: token_tile<2, Out>(x, o, s, P, w, count, scale, ym, ldy, rows_left); break;
