@@ -223,13 +223,8 @@ inline void panel(const int32_t* quads, const int64_t* offset, const double* xs,
     const int64_t* o = offset + m0;
     const double* s = xs + m0;
     Out* ym = y + m0 * ldy;
-    if (M - m0 >= kTokenTile && lines) {  // full 8-token tiles fetch the next panel ahead
-      const int64_t upto = lines * (t + 1) / tiles;
-      token_tile<8, Out>(x, o, s, P, w, count, scale, ym, ldy, rows_left, ahead + done * 64,
-                         upto - done);
-      done = upto;
-      continue;
-    }
+    // a full tile's share of the next panel's lines
+    const int64_t upto = M - m0 >= kTokenTile ? lines * (t + 1) / tiles : done;
     switch (std::min(kTokenTile, M - m0)) {
       case 1: token_tile<1, Out>(x, o, s, P, w, count, scale, ym, ldy, rows_left); break;
       case 2: token_tile<2, Out>(x, o, s, P, w, count, scale, ym, ldy, rows_left); break;
@@ -238,8 +233,12 @@ inline void panel(const int32_t* quads, const int64_t* offset, const double* xs,
       case 5: token_tile<5, Out>(x, o, s, P, w, count, scale, ym, ldy, rows_left); break;
       case 6: token_tile<6, Out>(x, o, s, P, w, count, scale, ym, ldy, rows_left); break;
       case 7: token_tile<7, Out>(x, o, s, P, w, count, scale, ym, ldy, rows_left); break;
-      default: token_tile<8, Out>(x, o, s, P, w, count, scale, ym, ldy, rows_left); break;
+      default:
+        token_tile<8, Out>(x, o, s, P, w, count, scale, ym, ldy, rows_left, ahead + done * 64,
+                           upto - done);
+        break;
     }
+    done = upto;
   }
 }
 
