@@ -11,6 +11,9 @@ namespace kiln {
 namespace vnni {
 
 inline constexpr int64_t kBlock = 16;  // output rows per block: one 512-bit vector of fp32 sums
+// From 8 to this many tokens a panel's tiles fetch the next panel's weights (vnni_panel's
+// `next`; the figures are in gemm_vnni.cpp and decision 0023)
+inline constexpr int64_t kFetchAheadMaxTokens = 256;
 
 // y[m, n0 + 16 v + i] for m < MT, v < NV: x rows of P int32 (bf16 pairs), `blocks` NV blocks
 // of the packed weight (each P * 32 bf16), the block's valid rows `valid` (16 except in the
