@@ -64,18 +64,17 @@ Digits to_digits(const T* x, int64_t M, int64_t K, int64_t P) {
 template <typename Out>
 void int8_vnni_run(const Digits& d, int64_t M, int64_t P, const uint8_t* w, int64_t blocks,
                    const float* scale, Out* y, int64_t N) {
-  // from a full 8-token tile on, each panel fetches the next one's weights (within the
-  // thread's run) into L2 as its tiles go, as the bf16 GEMM does (decision 0023): the default
-  // model's int8 GEMMs and LM head, 2 threads on Zen 4, alternated in one process, medians of
-  // 6: 64 tokens 69.7 -> 68.9 ms, 16 tokens 19.9 -> 19.0 ms (every pair ahead); same sums
-  const bool fetch = M >= int8_vnni::kTokenTile;
+  // each panel's full 8-token tiles fetch the next panel of the thread's run into L2 as they
+  // go, as the bf16 GEMM's do (decision 0023): the default model's int8 GEMMs and LM head, 2
+  // threads on Zen 4, alternated in one process, medians of 6: 64 tokens 69.7 -> 68.9 ms, 16
+  // tokens 19.9 -> 19.0 ms (every pair ahead); the same sums
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; b += kPanel)
       int8_vnni::panel<Out>(d.quads.data(), d.offset.data(), d.scale.data(), M, P,
                             w + b * P * 64, std::min(kPanel, end - b),
                             scale + b * int8_vnni::kBlock, y + b * int8_vnni::kBlock, N,
                             N - b * int8_vnni::kBlock,
-                            fetch ? std::clamp<int64_t>(end - b - kPanel, 0, kPanel) : 0);
+                            std::clamp<int64_t>(end - b - kPanel, 0, kPanel));
   });
 }
 #else

@@ -24,26 +24,16 @@ namespace {
 
 using vnni::vnni_panel;
 
-// From 8 to kFetchAheadMaxTokens tokens a panel fetches the next panel's weights into L2
-// while it works (vnni_panel's `next`). A decode step's weights come from memory: each panel's
-// first 8-token tile waited on them, the other tiles found them in L2. The default model's 120
-// GEMMs and LM head at 64 tokens, 2 threads on Zen 4: 45.7-49.4 -> 43.4-46.2 ms (at 16 tokens
-// 17.4-18.9 -> 16.3-16.9); 64 x 128/128 offline 602 -> 621 tok/s (alternated in one process,
-// medians of 6). At 1,024 tokens a panel's weights serve 128 tiles and the fetch is within the
-// noise.
-using vnni::kFetchAheadMaxTokens;
-
 // Each thread takes one contiguous run of blocks (an even split: the 36 blocks of a 576-row
 // layer are 18 and 18, where whole panels of 4 were 5 and 4 and one thread waited for the
 // other), in panels of NV blocks, the run's last panel narrower.
 template <int NV, typename Out>
 void vnni_mm(const int32_t* x, int64_t M, int64_t P, const at::BFloat16* w, int64_t blocks,
              Out* y, int64_t N) {
-  const bool fetch = M >= 8 && M <= kFetchAheadMaxTokens;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     int64_t b = begin;
-    for (; b + NV <= end; b += NV)  // the next panel's blocks, within this thread's run
-      vnni_panel<NV, Out>(x, M, P, w, b, y, N, fetch ? std::min<int64_t>(NV, end - b - NV) : 0);
+    for (; b + NV <= end; b += NV)  // fetching ahead the next panel of this thread's run
+      vnni_panel<NV, Out>(x, M, P, w, b, y, N, std::min<int64_t>(NV, end - b - NV));
     if (end - b == 1) {
       vnni_panel<1, Out>(x, M, P, w, b, y, N);
     } else if (end - b == 2) {

@@ -213,7 +213,7 @@ struct Int8VnniProjection {
         x.quads.data() + 3 * P * p.row, x.offset.data() + p.row, x.scale.data() + p.row,
         p.rows, P, w + (p.expert * (N / kBlock) + p.block) * P * 64, p.nv,
         scale + p.expert * N + n0, y + p.row * N + n0, N, N - n0,
-        p.rows >= int8_vnni::kTokenTile ? blocks_after(p, next) : 0);
+        blocks_after(p, next));
   }
 };
 #endif
@@ -234,12 +234,10 @@ struct VnniProjection {
     const at::BFloat16* we = w + p.expert * N * K;
     at::BFloat16* yr = y + p.row * N;
     const int64_t P = K / 2;
-    const int64_t ahead = p.rows >= 8 && p.rows <= vnni::kFetchAheadMaxTokens
-        ? blocks_after(p, next) : 0;
     switch (p.nv) {
       case 1: return vnni::vnni_panel<1>(xr, p.rows, P, we, p.block, yr, N);
       case 2: return vnni::vnni_panel<2>(xr, p.rows, P, we, p.block, yr, N);
-      case 3: return vnni::vnni_panel<3>(xr, p.rows, P, we, p.block, yr, N, ahead);
+      case 3: return vnni::vnni_panel<3>(xr, p.rows, P, we, p.block, yr, N, blocks_after(p, next));
       default: return vnni::vnni_panel<4>(xr, p.rows, P, we, p.block, yr, N);
     }
   }

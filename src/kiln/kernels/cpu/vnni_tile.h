@@ -11,8 +11,12 @@ namespace kiln {
 namespace vnni {
 
 inline constexpr int64_t kBlock = 16;  // output rows per block: one 512-bit vector of fp32 sums
-// From 8 to this many tokens a panel's tiles fetch the next panel's weights (vnni_panel's
-// `next`; the figures are in gemm_vnni.cpp and decision 0023)
+// From 8 to this many tokens a panel's tiles fetch the next panel's weights into L2 (vnni_panel's
+// `next`). A decode step's weights come from memory: each panel's first 8-token tile waited on
+// them, the others found them in L2. The default model's 120 GEMMs and LM head at 64 tokens, 2
+// threads on Zen 4: 45.7-49.4 -> 43.4-46.2 ms (16 tokens: 17.4-18.9 -> 16.3-16.9); 64 x 128/128
+// offline 602 -> 621 tok/s (alternated in one process, medians of 6). At 1,024 tokens a panel
+// serves 128 tiles and the fetch was within the noise (decision 0023).
 inline constexpr int64_t kFetchAheadMaxTokens = 256;
 
 // y[m, n0 + 16 v + i] for m < MT, v < NV: x rows of P int32 (bf16 pairs), `blocks` NV blocks
@@ -52,9 +56,9 @@ inline void vnni_tile(const int32_t* x, int64_t P, const at::BFloat16* w, Out* y
 }
 
 // Every token tile of x against NV blocks starting at block b. `next`: how many blocks after
-// the panel its 8-token tiles fetch into L2 as they go (their lines shared out over the tiles,
-// at most one per k-pair), so the next panel's first tile finds its weights there rather than
-// waiting on memory; the sums are the same either way.
+// the panel its 8-token tiles fetch into L2 as they go, up to kFetchAheadMaxTokens tokens (the
+// lines shared out over the tiles, at most one per k-pair), so the next panel's first tile
+// finds its weights there rather than waiting on memory; the sums are the same either way.
 template <int NV, typename Out>
 inline void vnni_panel(const int32_t* x, int64_t M, int64_t P, const at::BFloat16* w, int64_t b,
                 Out* y, int64_t N, int64_t next = 0) {
@@ -63,7 +67,8 @@ inline void vnni_panel(const int32_t* x, int64_t M, int64_t P, const at::BFloat1
   int64_t m = 0;
   if constexpr (NV <= 3) {  // 8 x 3 accumulators + 3 weights + 1 broadcast of 32 registers
     const auto* ahead = reinterpret_cast<const char*>(wb + NV * P * 2 * kBlock);
-    const int64_t lines = next * P, tiles = M / 8;  // a block is P lines of 64 bytes
+    // a block is P lines of 64 bytes
+    const int64_t lines = M <= kFetchAheadMaxTokens ? next * P : 0, tiles = M / 8;
     for (int64_t i = 0, done = 0; m + 8 <= M; m += 8, ++i) {
       const int64_t upto = lines * (i + 1) / tiles;
       vnni_tile<8, NV>(x + m * P, P, wb, y + m * N, N, n0, ahead + done * 64,
