@@ -63,6 +63,26 @@ def test_a_tokens_outputs_do_not_depend_on_its_batch(fp32_out):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("fp32_out", [False, True])
+def test_one_tokens_stream_prefetch_leaves_the_sums_alone(k, n, fp32_out):
+    # the non-temporal prefetch ahead of a one-token GEMV (decision 0024), at distances inside
+    # a block, across blocks and past the weights' end, gives the bits it gives without
+    x, w = layer(k, n, 1, seed=2)
+    packed = pack_vnni(w)
+    before = torch.ops.kiln.set_vnni_stream_ahead(0)
+    try:
+        plain = vnni_mm(x, packed, n, fp32_out)
+        for bytes_ahead in (64, 4096, 1 << 20):
+            torch.ops.kiln.set_vnni_stream_ahead(bytes_ahead)
+            assert torch.equal(vnni_mm(x, packed, n, fp32_out), plain)
+        assert torch.ops.kiln.set_vnni_stream_ahead(0) == 1 << 20  # returns the one replaced
+    finally:
+        torch.ops.kiln.set_vnni_stream_ahead(before)
+    with pytest.raises(RuntimeError, match="-1 bytes: expected 0 .off. to 1 MiB"):
+        torch.ops.kiln.set_vnni_stream_ahead(-1)
+
+
 def test_bad_shapes_fail_with_the_numbers():
     x, w = layer(64, 32, 2)
     with pytest.raises(RuntimeError, match="x has 62 features, w packs 64"):

@@ -15,7 +15,7 @@ OPS = {"rms_norm", "add_rms_norm", "silu_mul", "rotary_inplace", "qk_norm_rotary
        "write_kv", "move_slots",
        "top_logprobs", "argmax_rows", "paged_attention", "prefill_attention", "has_bf16_attention",
        "int8_gemv", "bf16_gemm", "bf16_gemm_vectorized", "bf16_gemm_f32",
-       "bf16_gemm_f32_dot_products", "bf16_vnni_mm", "bf16_vnni_available", "llama_stack",
+       "bf16_gemm_f32_dot_products", "bf16_vnni_mm", "bf16_vnni_available", "set_vnni_stream_ahead", "llama_stack",
        "shm_segment_bytes", "shm_segment_init", "shm_segment_join", "shm_all_reduce"}
 OPS |= {"int8_vnni_mm", "int8_vnni_available", "int8_vnni_calls"}  # gemm_int8_vnni.cpp
 OPS |= {"moe_experts_vnni", "moe_experts_int8", "moe_experts_int8_vnni"}  # moe.cpp

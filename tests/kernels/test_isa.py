@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kiln.kernels import isa
 from kiln.kernels.isa import CpuIsa, KernelTuning, cpu_isa, kernel_tuning, parse_cpuinfo
 
@@ -21,6 +23,7 @@ model\t\t: 143
 model name\t: Intel(R) Xeon(R) Platinum 8488C
 flags\t\t: avx2 avx512f avx512_vnni avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8
 """
+ZEN5 = ZEN4.replace("cpu family\t: 25", "cpu family\t: 26").replace("model\t\t: 17", "model\t\t: 2")
 AVX2_ONLY = "vendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 49\nflags\t\t: avx2 fma\n"
 
 
@@ -48,6 +51,39 @@ def test_tuning_prefers_the_exact_model_then_the_level(monkeypatch):
     monkeypatch.setattr(isa, "TUNINGS", {("AuthenticAMD", 25, 17): by_model, "amx": by_level})
     assert kernel_tuning(zen4) is by_model and kernel_tuning(spr) is by_level
     assert kernel_tuning(parse_cpuinfo(AVX2_ONLY)) == isa.DEFAULT_TUNING
+
+
+def test_zen5_streams_the_one_token_gemv_and_the_environment_overrides_it():
+    zen5 = parse_cpuinfo(ZEN5)
+    assert (zen5.family, zen5.model) == (26, 2)
+    assert kernel_tuning(zen5).vnni_stream_ahead == 4096  # by family: any Zen 5 model
+    assert kernel_tuning(parse_cpuinfo(ZEN4)).vnni_stream_ahead == 0  # not measured there
+    assert kernel_tuning(parse_cpuinfo(SAPPHIRE_RAPIDS)).vnni_stream_ahead == 0
+    tuning = kernel_tuning(zen5)
+    assert isa.stream_ahead_for(tuning) == 4096
+    assert isa.stream_ahead_for(tuning, " 0 ") == 0 and isa.stream_ahead_for(tuning, "8192") == 8192
+    for bad in ("-1", "4k", "", "2000000"):
+        with pytest.raises(ValueError, match="KILN_VNNI_STREAM_AHEAD must be a byte count"):
+            isa.stream_ahead_for(tuning, bad)
+
+
+def test_the_loaded_kernels_take_this_machines_distance(monkeypatch):
+    import torch
+
+    from kiln.kernels.bf16_vnni import vnni_available
+    from kiln.kernels.cpu import load
+
+    if not load() or not vnni_available():
+        pytest.skip("no AVX512-BF16 kernels in this environment")
+    monkeypatch.setenv("KILN_VNNI_STREAM_AHEAD", "2048")
+    before = torch.ops.kiln.set_vnni_stream_ahead(0)
+    try:
+        assert isa.vnni_stream_ahead() == 2048
+        assert torch.ops.kiln.set_vnni_stream_ahead(before) == 2048
+        monkeypatch.delenv("KILN_VNNI_STREAM_AHEAD")
+        assert isa.vnni_stream_ahead() == kernel_tuning().vnni_stream_ahead
+    finally:
+        torch.ops.kiln.set_vnni_stream_ahead(before)
 
 
 def test_the_platform_carries_it():

@@ -6,9 +6,11 @@ LM head, how many tokens a GEMV kernel takes before a GEMM wins) asks `cpu_isa()
 `kernel_tuning()` here. The ISA is logged once at start (kiln.platform), shown in
 `/metrics` (`kiln:cpu_info`) and by `kiln models list`.
 
-`kernel_tuning()` is where a per-CPU choice goes: TUNINGS maps a CPU (vendor, family, model)
-or, failing that, its best ISA level to the kernel parameters measured best there. Today every
-CPU gets the defaults (a later issue measures and fills the table).
+`kernel_tuning()` is where a per-CPU choice goes: TUNINGS maps a CPU (vendor, family, model),
+failing that its family (vendor, family, None), failing that its best ISA level to the kernel
+parameters measured best there. AMD's Zen 5 family streams the one-token GEMV's weights with
+a non-temporal prefetch (decision 0024); every other CPU gets the defaults until measured.
+`vnni_stream_ahead()` applies the choice to the C++ kernels when they load.
 
 `gemm_dispatch()` is the rule between kiln's AVX-512 kernels and oneDNN's GEMM (through torch)
 by the number of rows M: on CPUs with AMX, oneDNN serves from `amx_min_tokens` rows on (its
@@ -111,19 +113,51 @@ class KernelTuning:
     # kernels below. Not yet measured on an AMX machine: 16 fills one AMX tile's 16 rows, so a
     # smaller M wastes most of each tile multiply (SGLang's CPU kernels switch at M > 4).
     amx_min_tokens: int = 16
+    # one-token bf16 GEMV on VNNI-packed weights: each line is prefetched this many bytes ahead
+    # with the non-temporal hint, 0 = off (measured on Zen 5 only: decision 0024)
+    vnni_stream_ahead: int = 0
 
 
 DEFAULT_TUNING = KernelTuning()
 
-# (vendor, family, model) or an ISA level -> its tuning; empty until measured per CPU
-TUNINGS: dict[tuple[str, int | None, int | None] | str, KernelTuning] = {}
+# (vendor, family, model), (vendor, family, None) for a whole family, or an ISA level -> its
+# tuning, where measured
+TUNINGS: dict[tuple[str, int | None, int | None] | str, KernelTuning] = {
+    # Zen 5 (EPYC 9005): batch-1 decode of the default model 159.3 -> 173.0 tok/s (0024)
+    ("AuthenticAMD", 26, None): KernelTuning(vnni_stream_ahead=4096),
+}
 
 
 def kernel_tuning(isa: CpuIsa | None = None) -> KernelTuning:
-    """The tuning for `isa` (this CPU by default): its exact model's, else its level's."""
+    """The tuning for `isa` (this CPU by default): its exact model's, else its family's, else
+    its level's."""
     isa = isa or cpu_isa()
-    return (TUNINGS.get((isa.vendor, isa.family, isa.model)) or TUNINGS.get(isa.level)
+    return (TUNINGS.get((isa.vendor, isa.family, isa.model))
+            or TUNINGS.get((isa.vendor, isa.family, None)) or TUNINGS.get(isa.level)
             or DEFAULT_TUNING)
+
+
+def stream_ahead_for(tuning: KernelTuning, override: str | None = None) -> int:
+    """The one-token GEMV's prefetch distance in bytes: the tuning's, or `override` (the
+    KILN_VNNI_STREAM_AHEAD environment variable: bytes, 0 = off)."""
+    if override is None:
+        return tuning.vnni_stream_ahead
+    value = override.strip()
+    if not value.isdigit() or int(value) > 1 << 20:
+        raise ValueError(f"KILN_VNNI_STREAM_AHEAD must be a byte count from 0 (off) to "
+                         f"1048576, not {override!r}")
+    return int(value)
+
+
+def vnni_stream_ahead() -> int:
+    """Set this machine's prefetch distance in the loaded C++ kernels and return it (logged)."""
+    import torch
+
+    bytes_ahead = stream_ahead_for(kernel_tuning(), os.environ.get("KILN_VNNI_STREAM_AHEAD"))
+    torch.ops.kiln.set_vnni_stream_ahead(bytes_ahead)
+    log.info("one-token GEMV stream (%s): %s", cpu_isa().level,
+             f"non-temporal prefetch {bytes_ahead} bytes ahead" if bytes_ahead else "off")
+    return bytes_ahead
 
 
 class GemmPath(enum.Enum):

@@ -76,4 +76,12 @@ def load() -> bool:
                     log.warning("kiln CPU kernels unavailable (%s); using the torch reference "
                                 "path", str(exc).splitlines()[0] if str(exc) else type(exc))
                     _state["ok"] = False
+                if _state["ok"]:  # this CPU's tuning (decision 0024); a bad override raises
+                    from kiln.kernels.isa import vnni_stream_ahead
+
+                    try:
+                        vnni_stream_ahead()
+                    except ValueError:
+                        del _state["ok"]  # raised again by the next load
+                        raise
         return _state["ok"]

@@ -88,6 +88,16 @@ at::Tensor bf16_vnni_mm(const at::Tensor& x, const at::Tensor& w, int64_t n, boo
 #endif
 }
 
+int64_t set_vnni_stream_ahead(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes <= (1 << 20), "set_vnni_stream_ahead: ", bytes,
+              " bytes: expected 0 (off) to 1 MiB");
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return vnni::g_stream_ahead.exchange(bytes);
+#else
+  return 0;
+#endif
+}
+
 bool bf16_vnni_available() {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   return true;

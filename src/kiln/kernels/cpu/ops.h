@@ -61,6 +61,8 @@ bool bf16_gemm_f32_dot_products();
 // (rounded once) or fp32; torch reference x.float() @ W.float().T
 at::Tensor bf16_vnni_mm(const at::Tensor& x, const at::Tensor& w, int64_t n, bool fp32_out);
 bool bf16_vnni_available();
+// the one-token GEMV's non-temporal prefetch distance in bytes (0: off); returns the previous
+int64_t set_vnni_stream_ahead(int64_t bytes);
 
 // gemm_int8_vnni.cpp: float x [M, K] times int8-VNNI-packed W (uint8 w + 128 [N/16, K/4, 16, 4])
 // with per-row scales -> [M, n] in x's dtype or fp32; torch reference

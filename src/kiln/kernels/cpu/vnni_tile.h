@@ -3,6 +3,8 @@
 // (moe.cpp), so an expert's rows are summed exactly as its own linear would sum them.
 #pragma once
 
+#include <atomic>
+
 #include "common.h"
 
 namespace kiln {
@@ -19,13 +21,22 @@ inline constexpr int64_t kBlock = 16;  // output rows per block: one 512-bit vec
 // serves 128 tiles and the fetch was within the noise (decision 0023).
 inline constexpr int64_t kFetchAheadMaxTokens = 256;
 
+// One token (batch-1 decode): each k-pair's line this many bytes ahead of the one being read is
+// prefetched with the non-temporal hint, 0 = none; set per CPU from kernel_tuning()
+// (`set_vnni_stream_ahead`). The default model's decode at batch 1 on Zen 5, alternated in one
+// process: 159.3 -> 173.0 tok/s at 4,096 bytes, where T0 at the same distance gained nothing
+// (decision 0024). Sums unchanged.
+inline std::atomic<int64_t> g_stream_ahead{0};
+
 // y[m, n0 + 16 v + i] for m < MT, v < NV: x rows of P int32 (bf16 pairs), `blocks` NV blocks
 // of the packed weight (each P * 32 bf16), the block's valid rows `valid` (16 except in the
 // last block of N % 16 != 0). With `ahead`, the first `lines` (<= P) 64-byte lines from there
-// are fetched into L2, one per k-pair (vnni_panel: the next panel's weights).
+// are fetched into L2, one per k-pair (vnni_panel: the next panel's weights). With `stream`,
+// each k-pair's line from there is fetched with the non-temporal hint (one token's stream).
 template <int MT, int NV, typename Out>
 inline void vnni_tile(const int32_t* x, int64_t P, const at::BFloat16* w, Out* y, int64_t N,
-                      int64_t n0, const char* ahead = nullptr, int64_t lines = 0) {
+                      int64_t n0, const char* ahead = nullptr, int64_t lines = 0,
+                      const char* stream = nullptr) {
   __m512 acc[MT][NV];
   for (int m = 0; m < MT; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
@@ -34,6 +45,7 @@ inline void vnni_tile(const int32_t* x, int64_t P, const at::BFloat16* w, Out* y
     __m512i wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(w + v * stride + p * 2 * kBlock);
     if (p < lines) _mm_prefetch(ahead + p * 64, _MM_HINT_T1);
+    if (stream) _mm_prefetch(stream + p * 64, _MM_HINT_NTA);
     for (int m = 0; m < MT; ++m) {
       const __m512i xb = _mm512_set1_epi32(x[m * P + p]);
       for (int v = 0; v < NV; ++v)
@@ -59,6 +71,8 @@ inline void vnni_tile(const int32_t* x, int64_t P, const at::BFloat16* w, Out* y
 // the panel its 8-token tiles fetch into L2 as they go, up to kFetchAheadMaxTokens tokens (the
 // lines shared out over the tiles, at most one per k-pair), so the next panel's first tile
 // finds its weights there rather than waiting on memory; the sums are the same either way.
+// One token reads one block at a time (NV 1): its tile streams the weights `g_stream_ahead`
+// bytes ahead.
 template <int NV, typename Out>
 inline void vnni_panel(const int32_t* x, int64_t M, int64_t P, const at::BFloat16* w, int64_t b,
                 Out* y, int64_t N, int64_t next = 0) {
@@ -81,7 +95,11 @@ inline void vnni_panel(const int32_t* x, int64_t M, int64_t P, const at::BFloat1
     vnni_tile<2, NV>(x + m * P, P, wb, y + m * N, N, n0);
     m += 2;
   }
-  if (m < M) vnni_tile<1, NV>(x + m * P, P, wb, y + m * N, N, n0);
+  if (m < M) {
+    const int64_t stream = M == 1 && NV == 1 ? g_stream_ahead.load(std::memory_order_relaxed) : 0;
+    vnni_tile<1, NV>(x + m * P, P, wb, y + m * N, N, n0, nullptr, 0,
+                     stream ? reinterpret_cast<const char*>(wb) + stream : nullptr);
+  }
 }
 }  // namespace vnni
 #endif
