@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from kiln.kernels.isa import check_environment
+
 # subcommand -> module that registers it (a command is listed once its module exists: every
 # one here is imported by `kiln --help`, which tests/unit/test_cli_help.py runs); only the
 # command a user names is imported, so `kiln serve ...` does not pay for the others
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        check_environment()  # the kernels' environment variables, before anything starts
         return int(args.func(args) or 0)
     except (CliError, ValueError, FileNotFoundError) as exc:
         print(f"kiln {args.command}: error: {exc}", file=sys.stderr)

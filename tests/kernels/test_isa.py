@@ -67,6 +67,18 @@ def test_zen5_streams_the_one_token_gemv_and_the_environment_overrides_it():
             isa.stream_ahead_for(tuning, bad)
 
 
+def test_the_cli_names_a_bad_kernel_variable_in_one_line_before_starting(monkeypatch, capsys):
+    from kiln.cli import main
+
+    monkeypatch.setenv("KILN_VNNI_STREAM_AHEAD", "4k")
+    assert main(["models", "list"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "KILN_VNNI_STREAM_AHEAD must be a byte count" in err
+    assert "'4k'" in err and "Traceback" not in err
+    monkeypatch.setenv("KILN_VNNI_STREAM_AHEAD", "0")
+    isa.check_environment()  # a usable value passes
+
+
 def test_the_loaded_kernels_take_this_machines_distance(monkeypatch):
     import torch
 

@@ -149,6 +149,15 @@ def stream_ahead_for(tuning: KernelTuning, override: str | None = None) -> int:
     return int(value)
 
 
+def check_environment() -> None:
+    """Raise a ValueError naming a kernel environment variable whose value this machine cannot
+    use (KILN_AMX_MIN_TOKENS on AMX CPUs, KILN_VNNI_STREAM_AHEAD): the CLI asks before it starts
+    anything, so a worker process does not fail on it later."""
+    tuning = kernel_tuning()
+    dispatch_for(cpu_isa(), tuning, os.environ.get("KILN_AMX_MIN_TOKENS"))
+    stream_ahead_for(tuning, os.environ.get("KILN_VNNI_STREAM_AHEAD"))
+
+
 def vnni_stream_ahead() -> int:
     """Set this machine's prefetch distance in the loaded C++ kernels and return it (logged)."""
     import torch
