@@ -137,32 +137,40 @@ def kernel_tuning(isa: CpuIsa | None = None) -> KernelTuning:
             or DEFAULT_TUNING)
 
 
+MAX_STREAM_AHEAD = 1 << 20  # bytes; the C++ setter checks the same bound
+
+
 def stream_ahead_for(tuning: KernelTuning, override: str | None = None) -> int:
     """The one-token GEMV's prefetch distance in bytes: the tuning's, or `override` (the
     KILN_VNNI_STREAM_AHEAD environment variable: bytes, 0 = off)."""
     if override is None:
         return tuning.vnni_stream_ahead
     value = override.strip()
-    if not value.isdigit() or int(value) > 1 << 20:
+    if not value.isdigit() or int(value) > MAX_STREAM_AHEAD:
         raise ValueError(f"KILN_VNNI_STREAM_AHEAD must be a byte count from 0 (off) to "
-                         f"1048576, not {override!r}")
+                         f"{MAX_STREAM_AHEAD}, not {override!r}")
     return int(value)
+
+
+def stream_ahead() -> int:
+    """This machine's distance: its tuning's, or KILN_VNNI_STREAM_AHEAD's (a bad value raises)."""
+    return stream_ahead_for(kernel_tuning(), os.environ.get("KILN_VNNI_STREAM_AHEAD"))
 
 
 def check_environment() -> None:
     """Raise a ValueError naming a kernel environment variable whose value this machine cannot
     use (KILN_AMX_MIN_TOKENS on AMX CPUs, KILN_VNNI_STREAM_AHEAD): the CLI asks before it starts
     anything, so a worker process does not fail on it later."""
-    tuning = kernel_tuning()
-    dispatch_for(cpu_isa(), tuning, os.environ.get("KILN_AMX_MIN_TOKENS"))
-    stream_ahead_for(tuning, os.environ.get("KILN_VNNI_STREAM_AHEAD"))
+    dispatch_for(cpu_isa(), kernel_tuning(), os.environ.get("KILN_AMX_MIN_TOKENS"))
+    stream_ahead()
 
 
-def vnni_stream_ahead() -> int:
-    """Set this machine's prefetch distance in the loaded C++ kernels and return it (logged)."""
+def vnni_stream_ahead(bytes_ahead: int | None = None) -> int:
+    """Set `bytes_ahead` (default: this machine's, `stream_ahead()`) in the loaded C++ kernels
+    and return it (logged)."""
     import torch
 
-    bytes_ahead = stream_ahead_for(kernel_tuning(), os.environ.get("KILN_VNNI_STREAM_AHEAD"))
+    bytes_ahead = stream_ahead() if bytes_ahead is None else bytes_ahead
     torch.ops.kiln.set_vnni_stream_ahead(bytes_ahead)
     log.info("one-token GEMV stream (%s): %s", cpu_isa().level,
              f"non-temporal prefetch {bytes_ahead} bytes ahead" if bytes_ahead else "off")

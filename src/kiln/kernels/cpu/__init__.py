@@ -69,6 +69,9 @@ def load() -> bool:
             if os.environ.get("KILN_DISABLE_CPU_KERNELS"):
                 _state["ok"] = False
             else:
+                from kiln.kernels.isa import stream_ahead, vnni_stream_ahead
+
+                ahead = stream_ahead()  # this CPU's tuning (decision 0024); a bad override raises
                 try:
                     _build()
                     _state["ok"] = hasattr(torch.ops.kiln, "paged_attention")
@@ -76,12 +79,6 @@ def load() -> bool:
                     log.warning("kiln CPU kernels unavailable (%s); using the torch reference "
                                 "path", str(exc).splitlines()[0] if str(exc) else type(exc))
                     _state["ok"] = False
-                if _state["ok"]:  # this CPU's tuning (decision 0024); a bad override raises
-                    from kiln.kernels.isa import vnni_stream_ahead
-
-                    try:
-                        vnni_stream_ahead()
-                    except ValueError:
-                        del _state["ok"]  # raised again by the next load
-                        raise
+                if _state["ok"]:
+                    vnni_stream_ahead(ahead)
         return _state["ok"]
