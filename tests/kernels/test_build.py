@@ -17,7 +17,8 @@ OPS = {"rms_norm", "add_rms_norm", "silu_mul", "rotary_inplace", "qk_norm_rotary
        "int8_gemv", "bf16_gemm", "bf16_gemm_vectorized", "bf16_gemm_f32",
        "bf16_gemm_f32_dot_products", "bf16_vnni_mm", "bf16_vnni_available", "set_vnni_stream_ahead", "llama_stack",
        "shm_segment_bytes", "shm_segment_init", "shm_segment_join", "shm_all_reduce"}
-OPS |= {"int8_vnni_mm", "int8_vnni_available", "int8_vnni_calls"}  # gemm_int8_vnni.cpp
+OPS |= {"int8_vnni_mm", "int8_vnni_available", "int8_vnni_calls",
+        "set_int8_wide_min_tokens"}  # gemm_int8_vnni.cpp
 OPS |= {"moe_experts_vnni", "moe_experts_int8", "moe_experts_int8_vnni"}  # moe.cpp
 OPS |= {"route_softmax"}  # router.cpp
 OPS |= {"shm_all_to_all"}  # allreduce.cpp: the expert dispatch's all-to-all

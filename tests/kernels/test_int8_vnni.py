@@ -2,7 +2,10 @@
 against an fp64 matmul of the dequantized weights and against kiln's fp32 int8 kernel
 (`int8_gemv`); the packing round trip; batch invariance; the linear method that packs at
 finalize; and a tiny int8 Llama giving the same greedy tokens through the new kernel (inside
-the fused stack) as through the old one.
+the fused stack) as through the old one. From `int8_wide_min_tokens` bf16 tokens on, the codes
+are widened to bf16 and summed in fp32 (decision 0025): checked against the same fp64 matmul
+within fp32 summation's bound, batch-invariant among such steps, and routed so that long bf16
+prefill steps never dequantize.
 
 The error bound (gemm_int8_vnni.cpp's header): per token, activations become x_q = round(x / s)
 with s = 2^(e - 22), max|x| < 2^e, and the integer sum is exact, so
@@ -163,7 +166,7 @@ def test_bad_shapes_are_refused_with_the_numbers():
 
 
 @needs_vnni
-def test_a_tokens_outputs_do_not_depend_on_its_batch_or_threads():
+def test_a_tokens_outputs_do_not_depend_on_its_batch_or_threads(digits_only):
     w, scale = int8_layer(576, 960, seed=2)
     packed = pack_int8_vnni(w)
     x = wide_activations(21, 576, torch.bfloat16, seed=2)
@@ -176,6 +179,82 @@ def test_a_tokens_outputs_do_not_depend_on_its_batch_or_threads():
         assert torch.equal(int8_vnni_mm(x, packed, scale, 960), alone)
     finally:
         torch.set_num_threads(threads)
+
+
+# -- the widened codes (many bf16 tokens) ------------------------------------------------------
+
+needs_wide = pytest.mark.skipif(
+    not (int8_vnni_available() and torch.ops.kiln.bf16_vnni_available()),
+    reason="no AVX512-VNNI with AVX512-BF16 on this CPU")
+
+
+def wide_from(tokens: int):
+    """Set the C++ threshold for a block, restoring the loaded one after."""
+    class Scope:
+        def __enter__(self):
+            self.before = torch.ops.kiln.set_int8_wide_min_tokens(tokens)
+
+        def __exit__(self, *exc):
+            torch.ops.kiln.set_int8_wide_min_tokens(self.before)
+    return Scope()
+
+
+@pytest.fixture
+def digits_only():
+    with wide_from(0):
+        yield
+
+
+def fp32_sum_bound(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What fp32 summation of K exact products, then one multiply by the scale, may be off:
+    K 2^-24 sum_k |x w| scale + 2^-24 |result|."""
+    k = x.shape[1]
+    mags = (x.double().abs() @ w.double().abs().T) * scale.double().reshape(1, -1)
+    return mags * k * 2.0 ** -24 + reference(x, w, scale).abs() * 2.0 ** -24
+
+
+@needs_wide
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("m", [16, 17, 40, 130])
+@pytest.mark.parametrize("fp32_out", [True, False])
+def test_widened_codes_sum_as_an_fp32_matmul(k, n, m, fp32_out):
+    w, scale = int8_layer(k, n, seed=k + n)
+    x = wide_activations(m, k, torch.bfloat16, seed=m)
+    with wide_from(16):
+        y = int8_vnni_mm(x, pack_int8_vnni(w), scale, n, fp32_out)
+    assert y.dtype == (torch.float32 if fp32_out else torch.bfloat16) and y.shape == (m, n)
+    ref = reference(x, w, scale)
+    rounding = 0.0 if fp32_out else 2.0 ** -8
+    bound = fp32_sum_bound(x, w, scale) * (1 + rounding) + rounding * ref.abs() + 1e-30
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+@needs_wide
+def test_the_threshold_picks_the_path_and_each_path_is_batch_invariant():
+    w, scale = int8_layer(576, 960, seed=3)
+    packed = pack_int8_vnni(w)
+    x = wide_activations(48, 576, torch.bfloat16, seed=3)
+    with wide_from(0):
+        digits = int8_vnni_mm(x, packed, scale, 960)
+    with wide_from(16):
+        assert torch.equal(int8_vnni_mm(x[:15], packed, scale, 960), digits[:15])  # below it
+        wide = int8_vnni_mm(x, packed, scale, 960)
+        assert not torch.equal(wide, digits)  # fp32 sums, not the digits' exact integers
+        for start, stop in ((0, 16), (5, 29), (16, 48)):  # any batch past the threshold
+            assert torch.equal(int8_vnni_mm(x[start:stop], packed, scale, 960), wide[start:stop])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(int8_vnni_mm(x, packed, scale, 960), wide)
+        finally:
+            torch.set_num_threads(threads)
+        # fp32 activations never widen (bf16 would round them): the digits at any count
+        xf = x.float()
+        with wide_from(0):
+            digits32 = int8_vnni_mm(xf, packed, scale, 960)
+        assert torch.equal(int8_vnni_mm(xf, packed, scale, 960), digits32)
+    with pytest.raises(RuntimeError, match="expected 0"):
+        torch.ops.kiln.set_int8_wide_min_tokens(-1)
 
 
 # -- the linear method -------------------------------------------------------------------------
@@ -217,6 +296,29 @@ def test_the_int8_method_packs_and_reads_back_what_it_stored(monkeypatch):
     assert packed.method.apply_fp32(packed, x[:3].bfloat16()).dtype == torch.float32
 
 
+@needs_wide
+def test_long_bf16_steps_take_the_kernel_not_dequantization(monkeypatch):
+    from kiln.kernels.quant_mm import int8_wide_unbounded
+
+    if not int8_wide_unbounded():
+        pytest.skip("an AMX CPU: oneDNN's AMX GEMM takes long bf16 steps (not measured against)")
+    layer = int8_linear(torch.randn(40, 33))
+    x = torch.randn(200, 33).bfloat16()  # past INT8_VNNI_MAX_TOKENS
+    before = int8_vnni_calls()
+    y = layer(x)
+    assert int8_vnni_calls() == before + 1
+    w = layer.method.stored(layer, "weight")
+    assert ((y.double() - reference(x, w, layer.weight_scale)).abs()
+            <= fp32_sum_bound(x, w, layer.weight_scale) * (1 + 2 ** -8)
+            + reference(x, w, layer.weight_scale).abs() * 2 ** -8).all()
+    assert layer.method.stack_tensors(layer).bf16_max_tokens == math.inf
+    monkeypatch.setenv("KILN_INT8_WIDE_MIN_TOKENS", "0")  # off: dequantize + matmul, as before
+    before = int8_vnni_calls()
+    layer(x)
+    assert int8_vnni_calls() == before
+    assert layer.method.stack_tensors(layer).bf16_max_tokens is None
+
+
 def test_without_vnni_the_int8_method_keeps_int8_gemv(monkeypatch):
     """The fallback every CPU can run: KILN_INT8_VNNI=0 is what a CPU without AVX512-VNNI gets."""
     monkeypatch.setenv("KILN_INT8_VNNI", "0")
@@ -243,7 +345,8 @@ def greedy(llm) -> list[list[int]]:
     from kiln import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 40)]
+    # the first step (262 tokens, past INT8_VNNI_MAX_TOKENS) widens the codes (decision 0025)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 40, 200)]
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
@@ -275,4 +378,8 @@ def test_a_tiny_int8_llama_decodes_the_same_through_the_fused_stack(tiny_ckpt, m
 
     monkeypatch.setattr(fused_stack, "fused_stack", counted)
     assert greedy(llm) == old
-    assert stack_calls and all(c == 4 * 3 for c in stack_calls)  # 4 linears x 3 layers a step
+    assert all(c == 4 * 3 for c in stack_calls)  # 4 linears x 3 layers a step
+    # every step on the stack, the long first one too where bf16 steps widen the codes
+    from kiln.kernels.quant_mm import int8_wide_unbounded
+
+    assert len(stack_calls) == (8 if int8_wide_unbounded() else 7)

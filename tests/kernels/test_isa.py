@@ -104,3 +104,32 @@ def test_the_platform_carries_it():
 
     platform = Platform.detect(ModelConfig(model="unused", kernels="torch"))
     assert platform.cpu is cpu_isa() and cpu_isa().model_name in platform.describe()
+
+
+def test_int8_widening_threshold_from_the_tuning_or_the_environment(monkeypatch, capsys):
+    tuning = KernelTuning()
+    assert tuning.int8_wide_min_tokens == 16 and isa.int8_wide_min_tokens_for(tuning) == 16
+    assert isa.int8_wide_min_tokens_for(tuning, " 0 ") == 0
+    assert isa.int8_wide_min_tokens_for(tuning, "64") == 64
+    for bad in ("-1", "16.5", "", "many"):
+        with pytest.raises(ValueError, match="KILN_INT8_WIDE_MIN_TOKENS must be a token count"):
+            isa.int8_wide_min_tokens_for(tuning, bad)
+    from kiln.cli import main
+
+    monkeypatch.setenv("KILN_INT8_WIDE_MIN_TOKENS", "many")
+    assert main(["models", "list"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "KILN_INT8_WIDE_MIN_TOKENS must be a token count" in err
+
+
+def test_the_loaded_kernels_take_this_machines_widening_threshold():
+    import torch
+
+    from kiln.kernels.cpu import load
+    from kiln.kernels.int8_vnni import int8_vnni_available
+
+    if not load() or not int8_vnni_available() or not torch.ops.kiln.bf16_vnni_available():
+        pytest.skip("no AVX512-VNNI with AVX512-BF16 kernels in this environment")
+    loaded = torch.ops.kiln.set_int8_wide_min_tokens(0)
+    torch.ops.kiln.set_int8_wide_min_tokens(loaded)
+    assert loaded == isa.int8_wide_min_tokens()

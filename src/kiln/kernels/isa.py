@@ -116,6 +116,12 @@ class KernelTuning:
     # one-token bf16 GEMV on VNNI-packed weights: each line is prefetched this many bytes ahead
     # with the non-temporal hint, 0 = off (measured on Zen 5 only: decision 0024)
     vnni_stream_ahead: int = 0
+    # weight-only int8 on VNNI-packed codes with bf16 activations: from this many tokens on
+    # the codes are widened to bf16 a panel at a time and multiplied with bf16 dot products
+    # (2 per 64 weights and token against the digit kernel's 3), 0 = never. Zen 5, the
+    # default model's four layer shapes: on a par at 16 tokens, 0.77x the time at 32, 0.54x at
+    # 512 (decision 0025)
+    int8_wide_min_tokens: int = 16
 
 
 DEFAULT_TUNING = KernelTuning()
@@ -157,12 +163,30 @@ def stream_ahead() -> int:
     return stream_ahead_for(kernel_tuning(), os.environ.get("KILN_VNNI_STREAM_AHEAD"))
 
 
+def int8_wide_min_tokens_for(tuning: KernelTuning, override: str | None = None) -> int:
+    """From how many bf16 tokens the int8 kernel widens its codes: the tuning's, or
+    `override` (the KILN_INT8_WIDE_MIN_TOKENS environment variable: tokens, 0 = never)."""
+    if override is None:
+        return tuning.int8_wide_min_tokens
+    value = override.strip()
+    if not value.isdigit():
+        raise ValueError(f"KILN_INT8_WIDE_MIN_TOKENS must be a token count, 0 for never, "
+                         f"not {override!r}")
+    return int(value)
+
+
+def int8_wide_min_tokens() -> int:
+    """This machine's: its tuning's, or KILN_INT8_WIDE_MIN_TOKENS's (a bad value raises)."""
+    return int8_wide_min_tokens_for(kernel_tuning(), os.environ.get("KILN_INT8_WIDE_MIN_TOKENS"))
+
+
 def check_environment() -> None:
     """Raise a ValueError naming a kernel environment variable whose value this machine cannot
-    use (KILN_AMX_MIN_TOKENS on AMX CPUs, KILN_VNNI_STREAM_AHEAD): the CLI asks before it starts
-    anything, so a worker process does not fail on it later."""
+    use (KILN_AMX_MIN_TOKENS on AMX CPUs, KILN_VNNI_STREAM_AHEAD, KILN_INT8_WIDE_MIN_TOKENS):
+    the CLI asks before it starts anything, so a worker process does not fail on it later."""
     dispatch_for(cpu_isa(), kernel_tuning(), os.environ.get("KILN_AMX_MIN_TOKENS"))
     stream_ahead()
+    int8_wide_min_tokens()
 
 
 def vnni_stream_ahead(bytes_ahead: int | None = None) -> int:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from kiln.kernels import cpu
 from kiln.kernels.int8_vnni import int8_vnni_available
-from kiln.kernels.isa import GemmPath, gemm_dispatch, kernel_tuning
+from kiln.kernels.isa import GemmPath, gemm_dispatch, int8_wide_min_tokens, kernel_tuning
 
 # When torch's int8 weight-only kernel pays off on CPU (measured on 576x1536 and 1536x576,
 # one thread, torch 2.13): with bf16 activations it is 3-10x faster than dequantize + matmul
@@ -79,7 +79,8 @@ INT8_GEMV_MAX_TOKENS = int(os.environ.get("KILN_INT8_GEMV_MAX_TOKENS",
 # kiln's int8 kernel on AVX512-VNNI integer dot products (kiln.kernels.int8_vnni: weights
 # packed at load, activations as exact 22-bit fixed point, 3 dot products per 64 weights where
 # int8_gemv spends 12 vector ops): replaces int8_gemv and torch's int8 kernel on CPUs with
-# AVX512-VNNI up to this many tokens; beyond, dequantize + bf16 matmul, whose dequantization
+# AVX512-VNNI up to this many tokens (bf16 steps beyond: `int8_wide_unbounded`, decision
+# 0025); beyond, for fp32 activations, dequantize + matmul, whose dequantization
 # (once per call, ~0.7 ms for a 3072x576 layer on Zen 4) pays off only on long prefill chunks:
 # measured on the default model, 128 halved the 128-token prefill against 32 and left a
 # 1,024-token prompt to the dequantized GEMM, which beat the kernel there 1.06 s to 1.55 s
@@ -92,6 +93,23 @@ def int8_vnni_max_tokens() -> int:
     the rows from which oneDNN's AMX GEMM takes over (kiln.kernels.isa.gemm_dispatch)."""
     amx = gemm_dispatch().onednn_min_tokens
     return INT8_VNNI_MAX_TOKENS if amx is None else min(INT8_VNNI_MAX_TOKENS, amx - 1)
+
+
+def int8_wide_unbounded() -> bool:
+    """Whether `int8_vnni_mm` serves bf16 activations at any token count: from
+    `int8_wide_min_tokens()` on it widens the codes to bf16 and runs bf16 dot products, the
+    scale on the fp32 sums (decision 0025), faster than dequantize + matmul at every size
+    measured. Not on AMX CPUs, whose oneDNN AMX GEMM takes bf16 steps from its row count on
+    (not measured against it), nor with KILN_INT8_WIDE_MIN_TOKENS=0."""
+    return (gemm_dispatch().onednn_min_tokens is None and int8_wide_min_tokens() > 0
+            and cpu.load() and bool(torch.ops.kiln.bf16_vnni_available()))
+
+
+def int8_vnni_serves(tokens: int, dtype: torch.dtype) -> bool:
+    """Whether `int8_vnni_mm` takes a step of `tokens` rows of `dtype`: up to
+    `int8_vnni_max_tokens()`, and bf16 ones of any size where `int8_wide_unbounded()`."""
+    return tokens <= int8_vnni_max_tokens() or (dtype == torch.bfloat16
+                                                 and int8_wide_unbounded())
 
 
 def int8_vnni_wanted() -> bool:

@@ -33,6 +33,7 @@ larger steps keep the paths above (on a GPU: dequantize + cuBLAS).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from functools import partial
 
@@ -58,8 +59,10 @@ from kiln.kernels.quant_mm import (
     int8_gemv_mm,
     int8_int8_mm,
     int8_vnni_max_tokens,
+    int8_vnni_serves,
     int8_vnni_wanted,
     int8_weight_only_mm,
+    int8_wide_unbounded,
 )
 from kiln.models.layers.linear import Linear, StackTensors, register_linear_method, shard_rows
 from kiln.platform import KernelSet
@@ -261,8 +264,10 @@ class Int8LinearMethod(QuantLinearMethod):
     into kiln's VNNI layout (`int8_vnni_weight`, uint8 [out/16, in/4, 16, 4]; `weight` is left
     empty, so the weights are held once, and `stored` unpacks them exactly for export,
     sharding and `dequantize_weight`); kiln's `int8_vnni_mm` serves up to
-    `int8_vnni_max_tokens()` tokens and the fp32 LM head at any count, dequantize + matmul
-    (oneDNN's bf16 GEMM, AMX tiles where the CPU has them) larger steps. Elsewhere (or
+    `int8_vnni_max_tokens()` tokens, bf16 steps of any size where `int8_wide_unbounded()`
+    (the codes widened to bf16 from `int8_wide_min_tokens()` on) and the fp32 LM head at any
+    count; dequantize + matmul (oneDNN's bf16 GEMM, AMX tiles where the CPU has them) the
+    rest. Elsewhere (or
     with KILN_INT8_VNNI=0): kiln's `int8_gemv` up to INT8_GEMV_MAX_TOKENS tokens (any float
     dtype), then torch's `_weight_int8pack_mm` for bf16/fp16 activations. With `act_quant`
     (W8A8): per-token symmetric int8 activations and an exact int32 accumulation via `_int_mm`.
@@ -289,7 +294,7 @@ class Int8LinearMethod(QuantLinearMethod):
         if self.act_quant:
             return self.w8a8_matmul(layer, x2)
         if hasattr(layer, "int8_vnni_weight"):
-            if x2.shape[0] > int8_vnni_max_tokens() or x2.device.type != "cpu":
+            if not int8_vnni_serves(x2.shape[0], x2.dtype) or x2.device.type != "cpu":
                 return self.dequantized_matmul(layer, x2)
             return int8_vnni_mm(x2, layer.int8_vnni_weight, layer.weight_scale,
                                 layer.out_features)
@@ -344,7 +349,8 @@ class Int8LinearMethod(QuantLinearMethod):
             return None
         if hasattr(layer, "int8_vnni_weight"):
             return StackTensors(layer.int8_vnni_weight, layer.weight_scale,
-                                max_tokens=int8_vnni_max_tokens())
+                                max_tokens=int8_vnni_max_tokens(),
+                                bf16_max_tokens=math.inf if int8_wide_unbounded() else None)
         if layer.weight.dtype != torch.int8:
             return None
         return StackTensors(layer.weight, layer.weight_scale, max_tokens=INT8_GEMV_MAX_TOKENS)

@@ -138,6 +138,7 @@ def stack_weights(model: LlamaForCausalLM, backend: CpuPagedAttention) -> StackW
     if reduce is False:
         return None
     a, norm, embed = model.arch, model.model.norm, model.model.embed_tokens
+    bf16 = embed.weight.dtype == torch.bfloat16  # the stack's activations
     qk = [(x.q_norm.weight, x.k_norm.weight) for x in attn] if a.qk_norm else []
     spec = blocks[0].gate.spec if blocks else None
     bypassed = ([model] + layers + attn + dense + linears + blocks
@@ -157,9 +158,9 @@ def stack_weights(model: LlamaForCausalLM, backend: CpuPagedAttention) -> StackW
         scale=a.head_dim ** -0.5, eps=norm.eps, num_heads=attn[0].num_heads,
         num_kv_heads=attn[0].num_kv_heads, head_dim=a.head_dim,
         plain_bf16=any(t.plain_bf16 for t in stored.values()),
-        long_ok=(backend.bf16_prefill and a.head_dim in (64, 128)
-                 and embed.weight.dtype == torch.bfloat16),
-        max_tokens=min((t.max_tokens for t in stored.values()), default=math.inf),
+        long_ok=backend.bf16_prefill and a.head_dim in (64, 128) and bf16,
+        max_tokens=min((t.bf16_max_tokens if bf16 and t.bf16_max_tokens is not None
+                        else t.max_tokens for t in stored.values()), default=math.inf),
         hook_dicts=[d for m in bypassed for d in (m._forward_hooks, m._forward_pre_hooks)],
         all_reduce=reduce)
 

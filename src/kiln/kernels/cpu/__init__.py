@@ -69,9 +69,10 @@ def load() -> bool:
             if os.environ.get("KILN_DISABLE_CPU_KERNELS"):
                 _state["ok"] = False
             else:
-                from kiln.kernels.isa import stream_ahead, vnni_stream_ahead
+                from kiln.kernels.isa import int8_wide_min_tokens, stream_ahead, vnni_stream_ahead
 
-                ahead = stream_ahead()  # this CPU's tuning (decision 0024); a bad override raises
+                # this CPU's tuning (decisions 0024, 0025); a bad override raises
+                ahead, wide = stream_ahead(), int8_wide_min_tokens()
                 try:
                     _build()
                     _state["ok"] = hasattr(torch.ops.kiln, "paged_attention")
@@ -81,4 +82,5 @@ def load() -> bool:
                     _state["ok"] = False
                 if _state["ok"]:
                     vnni_stream_ahead(ahead)
+                    torch.ops.kiln.set_int8_wide_min_tokens(wide)
         return _state["ok"]

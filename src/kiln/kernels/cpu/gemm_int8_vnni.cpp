@@ -25,8 +25,11 @@
 // register tiles live in int8_vnni_tile.h, shared with the fused experts (moe.cpp).
 #include <atomic>
 
+#include <ATen/ops/constant_pad_nd.h>
+
 #include "int8_vnni_tile.h"
 #include "ops.h"
+#include "vnni_tile.h"
 
 namespace kiln {
 
@@ -82,6 +85,69 @@ constexpr bool kHasVnni = false;
 constexpr int64_t kMaxK = 65536;
 #endif
 
+// From this many bf16 tokens on, the codes are widened to bf16 (below); 0 = never. Set per
+// CPU from kernel_tuning() (`set_int8_wide_min_tokens`).
+std::atomic<int64_t> g_wide_min_tokens{0};
+
+#if KILN_INT8_VNNI && defined(__AVX512BF16__)
+constexpr bool kHasWide = true;
+constexpr int64_t kWidePanel = 3;  // blocks per panel: 8-token tiles x 3 blocks of accumulators
+
+// Many bf16 tokens: a thread widens a panel of kWidePanel blocks of codes to bf16 in the
+// bf16 VNNI layout (gemm_vnni.cpp) once, into a buffer that stays in L2, and runs the bf16
+// GEMM's register tiles over it for every token tile, the per-row scale applied to the fp32
+// sums. A code w in [-128, 127] is exact in bf16 and so is each product with a bf16 x, so
+// y = round(scale[n] * sum_k x[k] w[n, k]) with the sum in fp32, as x.float() @ w.float().T
+// scaled: 2 bf16 dot products per 64 weights per token against the digits' 3, the widening
+// (~18 vector ops per 64 weights) paid once per call. Quad line p of a block becomes the
+// bf16 pair lines 2p and 2p + 1 (k-quad 4p..4p+3 of each of the 16 rows).
+inline void widen_block(const uint8_t* w, int64_t P4, at::BFloat16* out) {
+  const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  auto* o = reinterpret_cast<__m512i*>(out);
+  for (int64_t p = 0; p < P4; ++p) {
+    const __m512i s = _mm512_xor_si512(_mm512_loadu_si512(w + p * 64), flip);  // signed codes
+    // each code as fp32 (exact), the bf16 of it being its high half
+    const __m512i f0 = _mm512_castps_si512(
+        _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(s, 24), 24)));
+    const __m512i f1 = _mm512_castps_si512(
+        _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(s, 16), 24)));
+    const __m512i f2 = _mm512_castps_si512(
+        _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(s, 8), 24)));
+    const __m512i f3 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(s, 24)));
+    // lane i: (k even) in the low half, (k odd) in the high half: (f1 & high) | (f0 >> 16)
+    _mm512_storeu_si512(o + 2 * p, _mm512_ternarylogic_epi32(high, f1, _mm512_srli_epi32(f0, 16), 0xEA));
+    _mm512_storeu_si512(o + 2 * p + 1,
+                        _mm512_ternarylogic_epi32(high, f3, _mm512_srli_epi32(f2, 16), 0xEA));
+  }
+}
+
+template <typename Out>
+void int8_wide_run(const int32_t* x, int64_t M, int64_t P4, const uint8_t* w, int64_t blocks,
+                   const float* scale, Out* y, int64_t N) {
+  const int64_t P = 2 * P4;  // bf16 pairs per token and block line count of the widened panel
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<at::BFloat16> panel;  // the thread's widened panel, kept
+    const size_t need = kWidePanel * P * 2 * vnni::kBlock;
+    if (panel.size() < need) panel.resize(need);
+    for (int64_t b = begin; b < end; b += kWidePanel) {
+      const int64_t nv = std::min(kWidePanel, end - b);
+      for (int64_t v = 0; v < nv; ++v)
+        widen_block(w + (b + v) * P4 * 64, P4, panel.data() + v * P * 2 * vnni::kBlock);
+      const int64_t n0 = b * vnni::kBlock;
+      if (nv == 3)
+        vnni::vnni_panel_at<3, Out>(x, M, P, panel.data(), n0, y, N, 0, scale);
+      else if (nv == 2)
+        vnni::vnni_panel_at<2, Out>(x, M, P, panel.data(), n0, y, N, 0, scale);
+      else
+        vnni::vnni_panel_at<1, Out>(x, M, P, panel.data(), n0, y, N, 0, scale);
+    }
+  });
+}
+#else
+constexpr bool kHasWide = false;
+#endif
+
 }  // namespace
 
 at::Tensor int8_vnni_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
@@ -106,6 +172,21 @@ at::Tensor int8_vnni_mm(const at::Tensor& x, const at::Tensor& w, const at::Tens
   ++g_int8_vnni_calls;
   const at::Tensor xc = x.contiguous();
   const at::Tensor sc = scale.reshape(-1).to(at::kFloat).contiguous();
+#if defined(__AVX512BF16__)
+  const int64_t wide = g_wide_min_tokens.load(std::memory_order_relaxed);
+  if (wide > 0 && M >= wide && xc.scalar_type() == at::kBFloat16) {
+    // x as bf16 pairs, zero-padded to the packed quads (padding codes are 0 too)
+    const at::Tensor xp = 4 * P > K ? at::constant_pad_nd(xc, {0, 4 * P - K}) : xc;
+    const auto* x32 = reinterpret_cast<const int32_t*>(xp.data_ptr<at::BFloat16>());
+    if (fp32_out)
+      int8_wide_run<float>(x32, M, P, w.data_ptr<uint8_t>(), blocks, sc.data_ptr<float>(),
+                           y.data_ptr<float>(), n);
+    else
+      int8_wide_run<at::BFloat16>(x32, M, P, w.data_ptr<uint8_t>(), blocks,
+                                  sc.data_ptr<float>(), y.data_ptr<at::BFloat16>(), n);
+    return y;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "int8_vnni_mm",
                                   [&] {
     const Digits d = to_digits(xc.data_ptr<scalar_t>(), M, K, P);
@@ -121,6 +202,11 @@ at::Tensor int8_vnni_mm(const at::Tensor& x, const at::Tensor& w, const at::Tens
 }
 
 bool int8_vnni_available() { return kHasVnni; }
+
+int64_t set_int8_wide_min_tokens(int64_t tokens) {
+  TORCH_CHECK(tokens >= 0, "set_int8_wide_min_tokens: ", tokens, " tokens: expected 0 (off) or more");
+  return kHasWide ? g_wide_min_tokens.exchange(tokens) : 0;
+}
 
 int64_t int8_vnni_calls() { return g_int8_vnni_calls.load(); }
 

@@ -37,6 +37,7 @@ TORCH_LIBRARY(kiln, m) {
   m.def("bf16_vnni_mm(Tensor x, Tensor w, int n, bool fp32_out) -> Tensor", &kiln::bf16_vnni_mm);
   m.def("bf16_vnni_available() -> bool", &kiln::bf16_vnni_available);
   m.def("set_vnni_stream_ahead(int bytes) -> int", &kiln::set_vnni_stream_ahead);
+  m.def("set_int8_wide_min_tokens(int tokens) -> int", &kiln::set_int8_wide_min_tokens);
   m.def("moe_experts_vnni(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, "
         "Tensor down, Tensor? owned=None) -> Tensor", &kiln::moe_experts_vnni);
   m.def("moe_experts_int8(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, "

@@ -71,6 +71,10 @@ at::Tensor int8_vnni_mm(const at::Tensor& x, const at::Tensor& w, const at::Tens
                         int64_t n, bool fp32_out);
 bool int8_vnni_available();
 int64_t int8_vnni_calls();
+// from this many bf16 tokens on (0: never) int8_vnni_mm widens the codes to bf16 and runs the
+// bf16 VNNI tiles, scale on the fp32 sums (reference x.float() @ w.float().T * scale); returns
+// the previous value
+int64_t set_int8_wide_min_tokens(int64_t tokens);
 
 // moe.cpp: a MoE layer's routed experts in one call, on bf16 VNNI-packed, int8-VNNI-packed or
 // int8 weight-only row experts stacked by expert;

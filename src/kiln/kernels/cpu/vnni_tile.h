@@ -33,10 +33,12 @@ inline std::atomic<int64_t> g_stream_ahead{0};
 // last block of N % 16 != 0). With `ahead`, the first `lines` (<= P) 64-byte lines from there
 // are fetched into L2, one per k-pair (vnni_panel: the next panel's weights). With `stream`,
 // each k-pair's line from there is fetched with the non-temporal hint (one token's stream).
+// With `scale`, each fp32 sum is multiplied by scale[n] (one rounding) before it is stored
+// (int8 codes widened to bf16: gemm_int8_vnni.cpp).
 template <int MT, int NV, typename Out>
 inline void vnni_tile(const int32_t* x, int64_t P, const at::BFloat16* w, Out* y, int64_t N,
                       int64_t n0, const char* ahead = nullptr, int64_t lines = 0,
-                      const char* stream = nullptr) {
+                      const char* stream = nullptr, const float* scale = nullptr) {
   __m512 acc[MT][NV];
   for (int m = 0; m < MT; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
@@ -56,6 +58,10 @@ inline void vnni_tile(const int32_t* x, int64_t P, const at::BFloat16* w, Out* y
     const int64_t n = n0 + v * kBlock;
     const int64_t rows = std::min<int64_t>(kBlock, N - n);
     const __mmask16 mask = rows >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
+    if (scale) {
+      const __m512 s = _mm512_maskz_loadu_ps(mask, scale + n);
+      for (int m = 0; m < MT; ++m) acc[m][v] = _mm512_mul_ps(acc[m][v], s);
+    }
     for (int m = 0; m < MT; ++m) {
       if constexpr (std::is_same_v<Out, float>) {
         _mm512_mask_storeu_ps(y + m * N + n, mask, acc[m][v]);
@@ -67,17 +73,16 @@ inline void vnni_tile(const int32_t* x, int64_t P, const at::BFloat16* w, Out* y
   }
 }
 
-// Every token tile of x against NV blocks starting at block b. `next`: how many blocks after
-// the panel its 8-token tiles fetch into L2 as they go, up to kFetchAheadMaxTokens tokens (the
-// lines shared out over the tiles, at most one per k-pair), so the next panel's first tile
-// finds its weights there rather than waiting on memory; the sums are the same either way.
-// One token reads one block at a time (NV 1): its tile streams the weights `g_stream_ahead`
-// bytes ahead.
+// Every token tile of x against NV blocks whose first is `wb`, the output rows from n0 on.
+// `next`: how many blocks after the panel its 8-token tiles fetch into L2 as they go, up to
+// kFetchAheadMaxTokens tokens (the lines shared out over the tiles, at most one per k-pair),
+// so the next panel's first tile finds its weights there rather than waiting on memory; the
+// sums are the same either way. One token reads one block at a time (NV 1): its tile streams
+// the weights `g_stream_ahead` bytes ahead. `scale`: vnni_tile's.
 template <int NV, typename Out>
-inline void vnni_panel(const int32_t* x, int64_t M, int64_t P, const at::BFloat16* w, int64_t b,
-                Out* y, int64_t N, int64_t next = 0) {
-  const at::BFloat16* wb = w + b * P * 2 * kBlock;
-  const int64_t n0 = b * kBlock;
+inline void vnni_panel_at(const int32_t* x, int64_t M, int64_t P, const at::BFloat16* wb,
+                          int64_t n0, Out* y, int64_t N, int64_t next = 0,
+                          const float* scale = nullptr) {
   int64_t m = 0;
   if constexpr (NV <= 3) {  // 8 x 3 accumulators + 3 weights + 1 broadcast of 32 registers
     const auto* ahead = reinterpret_cast<const char*>(wb + NV * P * 2 * kBlock);
@@ -86,20 +91,28 @@ inline void vnni_panel(const int32_t* x, int64_t M, int64_t P, const at::BFloat1
     for (int64_t i = 0, done = 0; m + 8 <= M; m += 8, ++i) {
       const int64_t upto = lines * (i + 1) / tiles;
       vnni_tile<8, NV>(x + m * P, P, wb, y + m * N, N, n0, ahead + done * 64,
-                       std::min(P, upto - done));
+                       std::min(P, upto - done), nullptr, scale);
       done = upto;
     }
   }
-  for (; m + 4 <= M; m += 4) vnni_tile<4, NV>(x + m * P, P, wb, y + m * N, N, n0);
+  for (; m + 4 <= M; m += 4)
+    vnni_tile<4, NV>(x + m * P, P, wb, y + m * N, N, n0, nullptr, 0, nullptr, scale);
   if (m + 2 <= M) {
-    vnni_tile<2, NV>(x + m * P, P, wb, y + m * N, N, n0);
+    vnni_tile<2, NV>(x + m * P, P, wb, y + m * N, N, n0, nullptr, 0, nullptr, scale);
     m += 2;
   }
   if (m < M) {
     const int64_t stream = M == 1 && NV == 1 ? g_stream_ahead.load(std::memory_order_relaxed) : 0;
     vnni_tile<1, NV>(x + m * P, P, wb, y + m * N, N, n0, nullptr, 0,
-                     stream ? reinterpret_cast<const char*>(wb) + stream : nullptr);
+                     stream ? reinterpret_cast<const char*>(wb) + stream : nullptr, scale);
   }
+}
+
+// vnni_panel_at for the NV blocks from block b of the packed weight w.
+template <int NV, typename Out>
+inline void vnni_panel(const int32_t* x, int64_t M, int64_t P, const at::BFloat16* w, int64_t b,
+                       Out* y, int64_t N, int64_t next = 0) {
+  vnni_panel_at<NV, Out>(x, M, P, w + b * P * 2 * kBlock, b * kBlock, y, N, next);
 }
 }  // namespace vnni
 #endif

@@ -60,6 +60,8 @@ class StackTensors:
     scale: torch.Tensor  # int8 rows' per-row scales [out, 1]; empty for bf16 weights
     plain_bf16: bool = False  # a plain bf16 weight, for kiln's bf16_gemm (not oneDNN-packed)
     max_tokens: float = math.inf  # the largest step the stack's kernel for it serves
+    # the same where the stack's activations are bf16, if that is more (None: the same)
+    bf16_max_tokens: float | None = None
     # a row-parallel layer's group: its output is summed over the ranks (inside the stack)
     all_reduce: ShmCommunicator | None = None
 
