@@ -25,13 +25,13 @@ import pytest
 import torch
 
 from kiln.kernels.int8_vnni import pack_int8_vnni
+from kiln.kernels.isa import int8_wide_min_tokens
 from kiln.kernels.moe_experts import (
     ExpertFormat,
     fused_max_tokens,
     fused_moe_available,
     moe_experts,
 )
-from kiln.kernels.isa import int8_wide_min_tokens
 from kiln.kernels.quant_mm import int8_vnni_max_tokens, int8_vnni_wanted, int8_wide_unbounded
 from kiln.models.layers.expert_parallel import ExpertShard, place_experts
 from kiln.models.layers.experts import FusedExperts

@@ -71,3 +71,26 @@ def test_qk_norm_rotary_is_the_norm_kernel_then_the_rotary_kernel(dtype):
     rq, rk, _ = TorchOps().qk_norm_rotary_qkv(qkv.clone(), pos, rot, qw, kw, 1e-6, hq, hkv)
     close(fq, rq, dtype)
     close(fk, rk, dtype)
+
+
+@pytest.mark.parametrize("dim", [96, 100, 7])  # whole 16-lane vectors, a tail, only a tail
+def test_bf16_norm_and_silu_rows_do_not_depend_on_their_batch(dim):
+    """A bf16 row's norm and SiLU-and-mul (16 lanes at a time, the tail one by one) are the
+    same alone as among other rows, and close to torch's."""
+    ker, ref = KernelOps(), TorchOps()
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randn(9, dim, generator=g).bfloat16()
+    res = torch.randn(9, dim, generator=g).bfloat16()
+    w = torch.randn(dim, generator=g).bfloat16()
+    whole = ker.rms_norm(x, w, 1e-6)
+    assert torch.equal(torch.cat([ker.rms_norm(x[i:i + 1], w, 1e-6) for i in range(9)]), whole)
+    close(whole, ref.rms_norm(x, w, 1e-6), torch.bfloat16)
+    out, summed = ker.add_rms_norm(x, res.clone(), w, 1e-6)
+    for i in range(9):
+        one, one_sum = ker.add_rms_norm(x[i:i + 1], res[i:i + 1].clone(), w, 1e-6)
+        assert torch.equal(one, out[i:i + 1]) and torch.equal(one_sum, summed[i:i + 1])
+    assert torch.equal(summed, (res.float() + x.float()).bfloat16())  # the residual add rounds once
+    gate_up = torch.randn(9, 2 * dim, generator=g).bfloat16() * 4
+    act = ker.silu_mul(gate_up)
+    assert torch.equal(torch.cat([ker.silu_mul(gate_up[i:i + 1]) for i in range(9)]), act)
+    close(act, ref.silu_mul(gate_up), torch.bfloat16)

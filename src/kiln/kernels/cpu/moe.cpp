@@ -293,14 +293,15 @@ struct Int8Projection {
 // per-expert path's op), rounded to bf16 (then widened where the down projection reads fp32).
 template <typename In>
 void silu_mul_row(const at::BFloat16* gate_up, int64_t I, In* act) {
-  float negated[256], e[256];
-  for (int64_t i0 = 0; i0 < I; i0 += 256) {  // silu(g) = g / (1 + e^-g), in fp32
-    const int64_t n = std::min<int64_t>(256, I - i0);
-    for (int64_t i = 0; i < n; ++i) negated[i] = -f32(gate_up[i0 + i]);
-    exp_shifted(negated, e, n, 0.f);
-    for (int64_t i = 0; i < n; ++i)
-      act[i0 + i] = static_cast<In>(static_cast<at::BFloat16>(
-          -negated[i] / (1.f + e[i]) * f32(gate_up[I + i0 + i])));
+  if constexpr (std::is_same_v<In, at::BFloat16>) {
+    silu_mul_bf16(gate_up, gate_up + I, I, act);
+  } else {
+    at::BFloat16 rounded[256];
+    for (int64_t i0 = 0; i0 < I; i0 += 256) {
+      const int64_t n = std::min<int64_t>(256, I - i0);
+      silu_mul_bf16(gate_up + i0, gate_up + I + i0, n, rounded);
+      for (int64_t i = 0; i < n; ++i) act[i0 + i] = static_cast<In>(rounded[i]);
+    }
   }
 }
 
