@@ -135,12 +135,15 @@ void int8_wide_run(const int32_t* x, int64_t M, int64_t P4, const uint8_t* w, in
       for (int64_t v = 0; v < nv; ++v)
         widen_block(w + (b + v) * P4 * 64, P4, panel.data() + v * P * 2 * vnni::kBlock);
       const int64_t n0 = b * vnni::kBlock;
+      // the 8-token tiles fetch the next panel's codes into L2 as they go (0023's fetch)
+      const auto* next = reinterpret_cast<const char*>(w + (b + nv) * P4 * 64);
+      const int64_t lines = std::min(kWidePanel, end - b - nv) * P4;
       if (nv == 3)
-        vnni::vnni_panel_at<3, Out>(x, M, P, panel.data(), n0, y, N, 0, scale);
+        vnni::vnni_panel_at<3, Out>(x, M, P, panel.data(), n0, y, N, 0, scale, next, lines);
       else if (nv == 2)
-        vnni::vnni_panel_at<2, Out>(x, M, P, panel.data(), n0, y, N, 0, scale);
+        vnni::vnni_panel_at<2, Out>(x, M, P, panel.data(), n0, y, N, 0, scale, next, lines);
       else
-        vnni::vnni_panel_at<1, Out>(x, M, P, panel.data(), n0, y, N, 0, scale);
+        vnni::vnni_panel_at<1, Out>(x, M, P, panel.data(), n0, y, N, 0, scale, next, lines);
     }
   });
 }
