@@ -116,7 +116,8 @@ inline void widen_block(const uint8_t* w, int64_t P4, at::BFloat16* out) {
         _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(s, 8), 24)));
     const __m512i f3 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(s, 24)));
     // lane i: (k even) in the low half, (k odd) in the high half: (f1 & high) | (f0 >> 16)
-    _mm512_storeu_si512(o + 2 * p, _mm512_ternarylogic_epi32(high, f1, _mm512_srli_epi32(f0, 16), 0xEA));
+    _mm512_storeu_si512(o + 2 * p,
+                        _mm512_ternarylogic_epi32(high, f1, _mm512_srli_epi32(f0, 16), 0xEA));
     _mm512_storeu_si512(o + 2 * p + 1,
                         _mm512_ternarylogic_epi32(high, f3, _mm512_srli_epi32(f2, 16), 0xEA));
   }
@@ -207,7 +208,8 @@ at::Tensor int8_vnni_mm(const at::Tensor& x, const at::Tensor& w, const at::Tens
 bool int8_vnni_available() { return kHasVnni; }
 
 int64_t set_int8_wide_min_tokens(int64_t tokens) {
-  TORCH_CHECK(tokens >= 0, "set_int8_wide_min_tokens: ", tokens, " tokens: expected 0 (off) or more");
+  TORCH_CHECK(tokens >= 0, "set_int8_wide_min_tokens: ", tokens,
+              " tokens: expected 0 (off) or more");
   return kHasWide ? g_wide_min_tokens.exchange(tokens) : 0;
 }
 
