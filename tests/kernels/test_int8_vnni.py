@@ -19,6 +19,7 @@ token's mean output magnitude, a quarter of a bf16 output's rounding step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -67,6 +68,16 @@ def fixed_point_bound(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> 
     s = torch.tensor([math.ldexp(1.0, math.frexp(a)[1] - 22) for a in amax.flatten().tolist()],
                      dtype=torch.float64).reshape(-1, 1)
     return s / 2 * (w.double().abs().sum(dim=1) * scale.double().flatten()).reshape(1, -1)
+
+
+@contextlib.contextmanager
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, fp32_out: bool) -> torch.Tensor:
@@ -173,12 +184,8 @@ def test_a_tokens_outputs_do_not_depend_on_its_batch_or_threads(digits_only):
     alone = torch.cat([int8_vnni_mm(x[i:i + 1], packed, scale, 960) for i in range(21)])
     for m in (2, 4, 7, 8, 13, 21):
         assert torch.equal(int8_vnni_mm(x[:m], packed, scale, 960), alone[:m])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         assert torch.equal(int8_vnni_mm(x, packed, scale, 960), alone)
-    finally:
-        torch.set_num_threads(threads)
 
 
 # -- the widened codes (many bf16 tokens) ------------------------------------------------------
@@ -188,15 +195,14 @@ needs_wide = pytest.mark.skipif(
     reason="no AVX512-VNNI with AVX512-BF16 on this CPU")
 
 
+@contextlib.contextmanager
 def wide_from(tokens: int):
-    """Set the C++ threshold for a block, restoring the loaded one after."""
-    class Scope:
-        def __enter__(self):
-            self.before = torch.ops.kiln.set_int8_wide_min_tokens(tokens)
-
-        def __exit__(self, *exc):
-            torch.ops.kiln.set_int8_wide_min_tokens(self.before)
-    return Scope()
+    """The C++ widening threshold set for a block, the loaded one restored after."""
+    before = torch.ops.kiln.set_int8_wide_min_tokens(tokens)
+    try:
+        yield
+    finally:
+        torch.ops.kiln.set_int8_wide_min_tokens(before)
 
 
 @pytest.fixture
@@ -242,12 +248,8 @@ def test_the_threshold_picks_the_path_and_each_path_is_batch_invariant():
         assert not torch.equal(wide, digits)  # fp32 sums, not the digits' exact integers
         for start, stop in ((0, 16), (5, 29), (16, 48)):  # any batch past the threshold
             assert torch.equal(int8_vnni_mm(x[start:stop], packed, scale, 960), wide[start:stop])
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with one_thread():
             assert torch.equal(int8_vnni_mm(x, packed, scale, 960), wide)
-        finally:
-            torch.set_num_threads(threads)
         # fp32 activations never widen (bf16 would round them): the digits at any count
         xf = x.float()
         with wide_from(0):
