@@ -32,6 +32,7 @@ from kiln.kernels.int8_vnni import (
     pack_int8_vnni,
     unpack_int8_vnni,
 )
+from kiln.quant.gptq import single_thread
 from tests.kernels.common import needs_cpu_kernels
 
 pytestmark = needs_cpu_kernels
@@ -68,16 +69,6 @@ def fixed_point_bound(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> 
     s = torch.tensor([math.ldexp(1.0, math.frexp(a)[1] - 22) for a in amax.flatten().tolist()],
                      dtype=torch.float64).reshape(-1, 1)
     return s / 2 * (w.double().abs().sum(dim=1) * scale.double().flatten()).reshape(1, -1)
-
-
-@contextlib.contextmanager
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, fp32_out: bool) -> torch.Tensor:
@@ -184,7 +175,7 @@ def test_a_tokens_outputs_do_not_depend_on_its_batch_or_threads(digits_only):
     alone = torch.cat([int8_vnni_mm(x[i:i + 1], packed, scale, 960) for i in range(21)])
     for m in (2, 4, 7, 8, 13, 21):
         assert torch.equal(int8_vnni_mm(x[:m], packed, scale, 960), alone[:m])
-    with one_thread():
+    with single_thread():
         assert torch.equal(int8_vnni_mm(x, packed, scale, 960), alone)
 
 
@@ -248,7 +239,7 @@ def test_the_threshold_picks_the_path_and_each_path_is_batch_invariant():
         assert not torch.equal(wide, digits)  # fp32 sums, not the digits' exact integers
         for start, stop in ((0, 16), (5, 29), (16, 48)):  # any batch past the threshold
             assert torch.equal(int8_vnni_mm(x[start:stop], packed, scale, 960), wide[start:stop])
-        with one_thread():
+        with single_thread():
             assert torch.equal(int8_vnni_mm(x, packed, scale, 960), wide)
         # fp32 activations never widen (bf16 would round them): the digits at any count
         xf = x.float()
