@@ -119,8 +119,8 @@ class KernelTuning:
     # weight-only int8 on VNNI-packed codes with bf16 activations: from this many tokens on
     # the codes are widened to bf16 a panel at a time and multiplied with bf16 dot products
     # (2 per 64 weights and token against the digit kernel's 3), 0 = never. Zen 5, the
-    # default model's four layer shapes: on a par at 16 tokens, 0.77x the time at 32, 0.54x at
-    # 512 (decision 0025)
+    # default model's four layer shapes, against the digits: 1.2x the time at 8 tokens, 0.73x
+    # at 16, 0.64x at 32, 0.54x at 512 (decision 0025)
     int8_wide_min_tokens: int = 16
 
 

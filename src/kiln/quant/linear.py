@@ -267,9 +267,8 @@ class Int8LinearMethod(QuantLinearMethod):
     `int8_vnni_max_tokens()` tokens, bf16 steps of any size where `int8_wide_unbounded()`
     (the codes widened to bf16 from `int8_wide_min_tokens()` on) and the fp32 LM head at any
     count; dequantize + matmul (oneDNN's bf16 GEMM, AMX tiles where the CPU has them) the
-    rest. Elsewhere (or
-    with KILN_INT8_VNNI=0): kiln's `int8_gemv` up to INT8_GEMV_MAX_TOKENS tokens (any float
-    dtype), then torch's `_weight_int8pack_mm` for bf16/fp16 activations. With `act_quant`
+    rest. Elsewhere (or with KILN_INT8_VNNI=0): kiln's `int8_gemv` up to INT8_GEMV_MAX_TOKENS
+    tokens (any float dtype), then torch's `_weight_int8pack_mm` for bf16/fp16 activations. With `act_quant`
     (W8A8): per-token symmetric int8 activations and an exact int32 accumulation via `_int_mm`.
     """
 
