@@ -146,16 +146,24 @@ def kernel_tuning(isa: CpuIsa | None = None) -> KernelTuning:
 MAX_STREAM_AHEAD = 1 << 20  # bytes; the C++ setter checks the same bound
 
 
+def count_override(name: str, override: str, what: str, least: int = 0,
+                   most: int | None = None) -> int:
+    """A kernel environment variable's whole-number value, or a ValueError naming it: "`name`
+    must be `what`, not '...'"."""
+    value = override.strip()
+    if not value.isdigit() or int(value) < least or (most is not None and int(value) > most):
+        raise ValueError(f"{name} must be {what}, not {override!r}")
+    return int(value)
+
+
 def stream_ahead_for(tuning: KernelTuning, override: str | None = None) -> int:
     """The one-token GEMV's prefetch distance in bytes: the tuning's, or `override` (the
     KILN_VNNI_STREAM_AHEAD environment variable: bytes, 0 = off)."""
     if override is None:
         return tuning.vnni_stream_ahead
-    value = override.strip()
-    if not value.isdigit() or int(value) > MAX_STREAM_AHEAD:
-        raise ValueError(f"KILN_VNNI_STREAM_AHEAD must be a byte count from 0 (off) to "
-                         f"{MAX_STREAM_AHEAD}, not {override!r}")
-    return int(value)
+    return count_override("KILN_VNNI_STREAM_AHEAD", override,
+                          f"a byte count from 0 (off) to {MAX_STREAM_AHEAD}",
+                          most=MAX_STREAM_AHEAD)
 
 
 def stream_ahead() -> int:
@@ -168,11 +176,7 @@ def int8_wide_min_tokens_for(tuning: KernelTuning, override: str | None = None) 
     `override` (the KILN_INT8_WIDE_MIN_TOKENS environment variable: tokens, 0 = never)."""
     if override is None:
         return tuning.int8_wide_min_tokens
-    value = override.strip()
-    if not value.isdigit():
-        raise ValueError(f"KILN_INT8_WIDE_MIN_TOKENS must be a token count, 0 for never, "
-                         f"not {override!r}")
-    return int(value)
+    return count_override("KILN_INT8_WIDE_MIN_TOKENS", override, "a token count, 0 for never")
 
 
 def int8_wide_min_tokens() -> int:
@@ -236,10 +240,8 @@ def dispatch_for(isa: CpuIsa, tuning: KernelTuning, override: str | None = None)
         return GemmDispatch(None)
     if override is None:
         return GemmDispatch(tuning.amx_min_tokens)
-    if not override.strip().isdigit() or int(override) < 1:
-        raise ValueError(f"KILN_AMX_MIN_TOKENS must be a row count >= 1 or 'off', "
-                         f"not {override!r}")
-    return GemmDispatch(int(override))
+    return GemmDispatch(count_override("KILN_AMX_MIN_TOKENS", override,
+                                       "a row count >= 1 or 'off'", least=1))
 
 
 @functools.cache

@@ -140,11 +140,11 @@ void int8_wide_run(const int32_t* x, int64_t M, int64_t P4, const uint8_t* w, in
       const auto* next = reinterpret_cast<const char*>(w + (b + nv) * P4 * 64);
       const int64_t lines = std::min(kWidePanel, end - b - nv) * P4;
       if (nv == 3)
-        vnni::vnni_panel_at<3, Out>(x, M, P, panel.data(), n0, y, N, 0, scale, next, lines);
+        vnni::vnni_panel_at<3, Out>(x, M, P, panel.data(), n0, y, N, next, lines, scale);
       else if (nv == 2)
-        vnni::vnni_panel_at<2, Out>(x, M, P, panel.data(), n0, y, N, 0, scale, next, lines);
+        vnni::vnni_panel_at<2, Out>(x, M, P, panel.data(), n0, y, N, next, lines, scale);
       else
-        vnni::vnni_panel_at<1, Out>(x, M, P, panel.data(), n0, y, N, 0, scale, next, lines);
+        vnni::vnni_panel_at<1, Out>(x, M, P, panel.data(), n0, y, N, next, lines, scale);
     }
   });
 }

@@ -74,25 +74,18 @@ inline void vnni_tile(const int32_t* x, int64_t P, const at::BFloat16* w, Out* y
 }
 
 // Every token tile of x against NV blocks whose first is `wb`, the output rows from n0 on.
-// `next`: how many blocks after the panel its 8-token tiles fetch into L2 as they go, up to
-// kFetchAheadMaxTokens tokens (the lines shared out over the tiles, at most one per k-pair),
-// so the next panel's first tile finds its weights there rather than waiting on memory; the
-// sums are the same either way. One token reads one block at a time (NV 1): its tile streams
-// the weights `g_stream_ahead` bytes ahead. `scale`: vnni_tile's. With `ahead_src`, the tiles
-// fetch `ahead_lines` 64-byte lines from there instead of the next blocks (the widened int8
-// path: the next panel's codes).
+// Its 8-token tiles fetch `ahead_lines` 64-byte lines from `ahead` into L2 as they go, up to
+// kFetchAheadMaxTokens tokens (shared out over the tiles, at most one line per k-pair), so the
+// next panel's first tile finds its weights there rather than waiting on memory; the sums are
+// the same either way. One token reads one block at a time (NV 1): its tile streams the weights
+// `g_stream_ahead` bytes ahead. `scale`: vnni_tile's.
 template <int NV, typename Out>
 inline void vnni_panel_at(const int32_t* x, int64_t M, int64_t P, const at::BFloat16* wb,
-                          int64_t n0, Out* y, int64_t N, int64_t next = 0,
-                          const float* scale = nullptr, const char* ahead_src = nullptr,
-                          int64_t ahead_lines = 0) {
+                          int64_t n0, Out* y, int64_t N, const char* ahead = nullptr,
+                          int64_t ahead_lines = 0, const float* scale = nullptr) {
   int64_t m = 0;
   if constexpr (NV <= 3) {  // 8 x 3 accumulators + 3 weights + 1 broadcast of 32 registers
-    const auto* ahead =
-        ahead_src ? ahead_src : reinterpret_cast<const char*>(wb + NV * P * 2 * kBlock);
-    // a block is P lines of 64 bytes
-    const int64_t lines = M > kFetchAheadMaxTokens ? 0 : ahead_src ? ahead_lines : next * P;
-    const int64_t tiles = M / 8;
+    const int64_t lines = M <= kFetchAheadMaxTokens ? ahead_lines : 0, tiles = M / 8;
     for (int64_t i = 0, done = 0; m + 8 <= M; m += 8, ++i) {
       const int64_t upto = lines * (i + 1) / tiles;
       vnni_tile<8, NV>(x + m * P, P, wb, y + m * N, N, n0, ahead + done * 64,
@@ -113,11 +106,14 @@ inline void vnni_panel_at(const int32_t* x, int64_t M, int64_t P, const at::BFlo
   }
 }
 
-// vnni_panel_at for the NV blocks from block b of the packed weight w.
+// vnni_panel_at for the NV blocks from block b of the packed weight w, fetching the `next`
+// blocks after them (a block is P lines of 64 bytes).
 template <int NV, typename Out>
 inline void vnni_panel(const int32_t* x, int64_t M, int64_t P, const at::BFloat16* w, int64_t b,
                        Out* y, int64_t N, int64_t next = 0) {
-  vnni_panel_at<NV, Out>(x, M, P, w + b * P * 2 * kBlock, b * kBlock, y, N, next);
+  const at::BFloat16* wb = w + b * P * 2 * kBlock;
+  vnni_panel_at<NV, Out>(x, M, P, wb, b * kBlock, y, N,
+                         reinterpret_cast<const char*>(wb + NV * P * 2 * kBlock), next * P);
 }
 }  // namespace vnni
 #endif
