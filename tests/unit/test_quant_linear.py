@@ -165,6 +165,26 @@ def test_int8_kernel_declines_fp32_and_large_batches():
     assert int8_weight_only_mm(big, codes(layer), layer.weight_scale) is None
 
 
+def test_many_bf16_tokens_multiply_in_fp32_where_bf16_matmul_is_emulated(monkeypatch):
+    """Past the int8 kernels' token counts, bf16 steps on CPUs without bf16 arithmetic (AVX2)
+    multiply the dequantized fp32 weights in fp32 and round once; elsewhere they keep the
+    bf16 reference. Both within bf16 rounding of the exact product."""
+    from kiln.quant import linear as quant_linear
+
+    monkeypatch.setenv("KILN_INT8_VNNI", "0")  # the plain rows' routing on every CPU
+    layer = build("int8", shard_weights(), bias=False)
+    x = torch.randn(INT8_WEIGHT_ONLY_MAX_TOKENS + 5, IN).bfloat16()
+    exact = F.linear(x.float(), layer.method.dequantize_weight(layer))
+    for emulated in (True, False):
+        monkeypatch.setattr(quant_linear, "bf16_matmul_emulated", lambda e=emulated: e)
+        y = layer(x)
+        assert y.dtype == torch.bfloat16
+        if emulated:  # fp32 sums rounded once: each output within half a bf16 step
+            assert ((y.float() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-6).all()
+        else:
+            assert torch.equal(y, reference(layer, x))
+
+
 def test_row_tiles_give_the_same_result():
     weights = shard_weights()
     whole, tiled = build("nvfp4", weights), build("nvfp4", weights, tile_elements=IN * 7)

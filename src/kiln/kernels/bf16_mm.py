@@ -8,6 +8,7 @@ tests/kernels/test_gemm.py, tests/kernels/test_amx_dispatch.py.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -40,6 +41,13 @@ def onednn_available(dtype: torch.dtype) -> bool:
     except (RuntimeError, AttributeError) as exc:
         log.info("oneDNN linear unavailable (%s); using torch's reference matmul", exc)
         return False
+
+
+@functools.cache
+def bf16_matmul_emulated() -> bool:
+    """Whether torch's bf16 matmul on this CPU is emulated (no oneDNN bf16 kernels: AVX2 CPUs
+    without AVX-512 BW or AVX-NE-CONVERT), so bf16 activations go faster through fp32 GEMM."""
+    return not onednn_available(torch.bfloat16)
 
 
 def bf16_gemm_available(dtype: torch.dtype) -> bool:

@@ -84,99 +84,135 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // y[m, n] = sum_k x[m, k] w[n, k]; w bf16 [N, K] row-major, x [M, K] float, y in x's dtype.
 // Where oneDNN cannot prepack bf16 (AVX2 CPUs with no AVX-512 BW or AVX-NE-CONVERT), torch's
 // bf16 matmul runs at ~16 GFLOP/s at every token count, so a 4-token verify step costs four
-// decode steps. Here a bf16 weight widens to fp32 exactly (a 16-bit shift) inside the FMA loop:
-// each weight row is read once for up to 8 tokens, as the int8 kernel does. Every output is the
-// same 8-lane fp32 sum in the same k order for any M, R or thread count, so a token's result
-// does not depend on the batch it runs in.
+// decode steps. Here a bf16 weight widens to fp32 exactly inside the FMA loop (decision 0026):
+// a 32-bit lane holds two neighbouring weights, so AND-ing away the low half gives the odd one
+// as fp32 and a 16-bit shift the even one, against x split once per call into its even and odd
+// elements. One token walks each thread's contiguous rows one at a time: a single stream, which
+// the hardware prefetcher follows, the next kilobyte fetched ahead (6 rows read side by side,
+// 6 streams, came at ~2/3 of the rate on Zen 3). More tokens go in tiles of 2 tokens by 2
+// rows (each widened weight serves 2 tokens, each x vector 2 rows), every token pair passing
+// over a pair of rows while it sits in L1. Every output is the same even and odd 8-lane fp32
+// sums in the same k order for any M, tile or thread count, so a token's result does not
+// depend on the batch it runs in.
 namespace {
 
-constexpr int64_t kBf16TokenTile = 8;
+constexpr int64_t kBf16BlockBytes = 16 << 10;  // rows a thread takes at a time
+constexpr int64_t kBf16FetchAhead = 1024;      // bytes of the stream fetched ahead
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline __m256 bf16x8_to_ps(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+// hsum(even + odd) + the K % 16 tail from k on: one compiled body for every tile shape
+// (-ffast-math may reassociate additions differently in each copy of an inlined body, which
+// would make a token's sum depend on its tile).
+__attribute__((noinline)) float bf16_row_finish(__m256 even, __m256 odd, const float* xf,
+                                                const at::BFloat16* w, int64_t k, int64_t K) {
+  float s = hsum8(_mm256_add_ps(even, odd));
+  for (; k < K; ++k) s += xf[k] * f32(w[k]);
+  return s;
 }
 
-// out[r * M + m] = x[m] . w[r] for R consecutive weight rows (R * M + R + 1 of 16 registers).
-template <int M, int R>
-void bf16_dot_rows(const float* xf, const at::BFloat16* w, int64_t K, float* out) {
-  __m256 acc[R][M];
+// out[r * T + m] = x[m] . w[r] for T <= 2 tokens and R <= 2 consecutive weight rows: xs holds
+// each token's ceil(K / 2) even elements, then its K / 2 odd ones (2 * half per token), xf the
+// rows as given. 16 weights a step into an even and an odd accumulator per row and token, each
+// weight widened once for the T tokens, each x vector loaded once for the R rows.
+template <int T, int R>
+__attribute__((noinline)) void bf16_rows_dot(const float* xs, const float* xf, int64_t half,
+                                             const at::BFloat16* w, int64_t K, float* out) {
+  __m256 even[R][T], odd[R][T];
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int m = 0; m < T; ++m) even[r][m] = odd[r][m] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   auto step = [&](int64_t k) {
-    __m256 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = bf16x8_to_ps(w + r * K + k);
-    for (int m = 0; m < M; ++m) {
-      const __m256 xv = _mm256_loadu_ps(xf + m * K + k);
-      for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
+    __m256 xe[T], xo[T];
+    for (int m = 0; m < T; ++m) {
+      xe[m] = _mm256_loadu_ps(xs + m * 2 * half + k / 2);
+      xo[m] = _mm256_loadu_ps(xs + m * 2 * half + half + k / 2);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K + k));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      for (int m = 0; m < T; ++m) {
+        even[r][m] = _mm256_fmadd_ps(we, xe[m], even[r][m]);
+        odd[r][m] = _mm256_fmadd_ps(wo, xo[m], odd[r][m]);
+      }
     }
   };
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {  // one 64-byte line of each row; fetch the next block's
-    for (int r = 0; r < R; ++r)
-      _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
-    step(k), step(k + 8), step(k + 16), step(k + 24);
+  for (; k + 32 <= K; k += 32) {
+    if (R == 1)
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + kBf16FetchAhead, _MM_HINT_T0);
+    else  // the same line of the next R rows
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
+    step(k), step(k + 16);
   }
-  for (; k + 8 <= K; k += 8) step(k);
+  if (k + 16 <= K) step(k), k += 16;
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) {
-      float s = hsum8(acc[r][m]);
-      for (int64_t t = k; t < K; ++t) s += xf[m * K + t] * f32(w[r * K + t]);
-      out[r * M + m] = s;
-    }
+    for (int m = 0; m < T; ++m)
+      out[r * T + m] = bf16_row_finish(even[r][m], odd[r][m], xf + m * K, w + r * K, k, K);
 }
 constexpr bool kBf16GemmVectorized = true;
 #else
-template <int M, int R>
-void bf16_dot_rows(const float* xf, const at::BFloat16* w, int64_t K, float* out) {
+template <int T, int R>
+void bf16_rows_dot(const float*, const float* xf, int64_t, const at::BFloat16* w, int64_t K,
+                   float* out) {
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) {
+    for (int m = 0; m < T; ++m) {
       float acc = 0.f;
       for (int64_t k = 0; k < K; ++k) acc += xf[m * K + k] * f32(w[r * K + k]);
-      out[r * M + m] = acc;
+      out[r * T + m] = acc;
     }
 }
 constexpr bool kBf16GemmVectorized = false;
 #endif
 
-template <typename T, int M, int R>
-void bf16_mm_tile(const float* xf, const at::BFloat16* w, T* y, int64_t N, int64_t K) {
-  const int64_t blocks = (N + R - 1) / R;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (R * K * 2));  // ~32 KiB
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    float acc[R * M];
+// y[m, n] for tokens [m0, m0 + T) and rows [n, n + R), written as T_out.
+template <typename Y, int T, int R>
+inline void bf16_tile(const float* xs, const float* xf, int64_t half, const at::BFloat16* w,
+                      int64_t n, int64_t m0, Y* y, int64_t N, int64_t K) {
+  float out[T * R];
+  bf16_rows_dot<T, R>(xs + m0 * 2 * half, xf + m0 * K, half, w + n * K, K, out);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < T; ++m) y[(m0 + m) * N + n + r] = static_cast<Y>(out[r * T + m]);
+}
+
+// y [M, N] = xf [M, K] (fp32) @ w^T in fp32, written as Y.
+template <typename Y>
+void bf16_mm_fp32(const float* xf, int64_t M, const at::BFloat16* w, Y* y, int64_t N,
+                  int64_t K) {
+  const int64_t half = (K + 1) / 2;
+  std::vector<float> xs(M * 2 * half, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xs[m * 2 * half + (k % 2) * half + k / 2] = xf[m * K + k];
+  const int64_t block = std::max<int64_t>(2, kBf16BlockBytes / (2 * K)) / 2 * 2;
+  const int64_t blocks = (N + block - 1) / block;
+  const float* x = xs.data();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * R, rows = std::min<int64_t>(R, N - n0);
-      if (rows == R) {
-        bf16_dot_rows<M, R>(xf, w + n0 * K, K, acc);
-      } else {
-        for (int64_t r = 0; r < rows; ++r) bf16_dot_rows<M, 1>(xf, w + (n0 + r) * K, K, acc + r * M);
+      const int64_t n0 = b * block, n1 = std::min<int64_t>(N, n0 + block);
+      if (M == 1) {  // one row at a time: a single stream
+        for (int64_t n = n0; n < n1; ++n) bf16_tile<Y, 1, 1>(x, xf, half, w, n, 0, y, N, K);
+        continue;
       }
-      for (int64_t r = 0; r < rows; ++r)
-        for (int m = 0; m < M; ++m) y[m * N + n0 + r] = static_cast<T>(acc[r * M + m]);
+      // pairs of rows, each passed over by every pair of tokens while it sits in L1
+      int64_t n = n0;
+      for (; n + 2 <= n1; n += 2) {
+        int64_t m0 = 0;
+        for (; m0 + 2 <= M; m0 += 2) bf16_tile<Y, 2, 2>(x, xf, half, w, n, m0, y, N, K);
+        if (m0 < M) bf16_tile<Y, 1, 2>(x, xf, half, w, n, m0, y, N, K);
+      }
+      if (n < n1) {
+        int64_t m0 = 0;
+        for (; m0 + 2 <= M; m0 += 2) bf16_tile<Y, 2, 1>(x, xf, half, w, n, m0, y, N, K);
+        if (m0 < M) bf16_tile<Y, 1, 1>(x, xf, half, w, n, m0, y, N, K);
+      }
     }
   });
 }
 
-template <typename T>
-void bf16_mm_tokens(int64_t M, const float* xf, const at::BFloat16* w, T* y, int64_t N,
-                    int64_t K) {
-  switch (M) {
-    case 1: return bf16_mm_tile<T, 1, 6>(xf, w, y, N, K);
-    case 2: return bf16_mm_tile<T, 2, 4>(xf, w, y, N, K);
-    case 3: return bf16_mm_tile<T, 3, 3>(xf, w, y, N, K);
-    case 4: return bf16_mm_tile<T, 4, 2>(xf, w, y, N, K);
-    case 5: return bf16_mm_tile<T, 5, 2>(xf, w, y, N, K);
-    case 6: return bf16_mm_tile<T, 6, 2>(xf, w, y, N, K);
-    case 7: return bf16_mm_tile<T, 7, 1>(xf, w, y, N, K);
-    default: return bf16_mm_tile<T, 8, 1>(xf, w, y, N, K);
-  }
-}
-
 }  // namespace
 
-// Any M works (tiles of 8 tokens, each re-reading the weights); callers use it for few tokens.
+// Any M works (each row pair read from memory once); callers use it for few tokens.
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "bf16_gemm: x [M, K] and w [N, K] expected");
@@ -189,10 +225,8 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) {
     const scalar_t* xp = xc.data_ptr<scalar_t>();
     std::vector<float> xf(M * K);
     for (int64_t i = 0; i < M * K; ++i) xf[i] = f32(xp[i]);
-    for (int64_t m0 = 0; m0 < M; m0 += kBf16TokenTile)
-      bf16_mm_tokens<scalar_t>(std::min(kBf16TokenTile, M - m0), xf.data() + m0 * K,
-                               wc.data_ptr<at::BFloat16>(), y.data_ptr<scalar_t>() + m0 * N,
-                               N, K);
+    bf16_mm_fp32<scalar_t>(xf.data(), M, wc.data_ptr<at::BFloat16>(), y.data_ptr<scalar_t>(),
+                           N, K);
   });
   return y;
 }
@@ -333,9 +367,8 @@ at::Tensor bf16_gemm_f32(const at::Tensor& x, const at::Tensor& w) {
   }
 #endif
   auto xf = x.to(at::kFloat).contiguous();
-  for (int64_t m0 = 0; m0 < M; m0 += kBf16TokenTile)
-    bf16_mm_tokens<float>(std::min(kBf16TokenTile, M - m0), xf.data_ptr<float>() + m0 * K,
-                          wc.data_ptr<at::BFloat16>(), y.data_ptr<float>() + m0 * N, N, K);
+  bf16_mm_fp32<float>(xf.data_ptr<float>(), M, wc.data_ptr<at::BFloat16>(), y.data_ptr<float>(),
+                      N, K);
   return y;
 }
 
