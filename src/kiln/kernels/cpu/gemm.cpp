@@ -38,10 +38,20 @@ void int8_mm_tile(const float* xf, const int8_t* w, const float* scale, T* y, in
   });
 }
 
-// R per token count keeps R * M + M + 1 vectors within the 32 registers.
+// R per token count keeps R * M + M + 1 vectors within the 32 registers (AVX-512), R * M +
+// R + 1 within 16 (AVX2, where 8 rows of one token spilled accumulators to the stack).
 template <typename T>
 void int8_mm_tokens(int64_t M, const float* xf, const int8_t* w, const float* scale, T* y,
                     int64_t N, int64_t K) {
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__))
+  switch (M) {
+    case 1: return int8_mm_tile<T, 1, 4>(xf, w, scale, y, N, K);
+    case 2: return int8_mm_tile<T, 2, 3>(xf, w, scale, y, N, K);
+    case 3: case 4: case 5: case 6: break;  // R = 2, as below
+    case 7: return int8_mm_tile<T, 7, 1>(xf, w, scale, y, N, K);
+    default: return int8_mm_tile<T, 8, 1>(xf, w, scale, y, N, K);
+  }
+#endif
   switch (M) {
     case 1: return int8_mm_tile<T, 1, 8>(xf, w, scale, y, N, K);
     case 2: return int8_mm_tile<T, 2, 4>(xf, w, scale, y, N, K);

@@ -57,8 +57,7 @@ void int8_dot_rows(const float* xf, const int8_t* w, int64_t K, float* out) {
   __m256 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
+  auto step = [&](int64_t k) {
     __m256 wv[R];
     for (int r = 0; r < R; ++r)
       wv[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
@@ -67,7 +66,14 @@ void int8_dot_rows(const float* xf, const int8_t* w, int64_t K, float* out) {
       const __m256 xv = _mm256_loadu_ps(xf + m * K + k);
       for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
     }
+  };
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {  // the same line of the next R rows fetched meanwhile
+    for (int r = 0; r < R; ++r)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
+    for (int64_t j = 0; j < 64; j += 8) step(k + j);
   }
+  for (; k + 8 <= K; k += 8) step(k);
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) {
       float s = hsum8(acc[r][m]);
