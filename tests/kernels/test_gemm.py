@@ -90,7 +90,7 @@ def check_bf16_against_reference(y: torch.Tensor, x: torch.Tensor, w: torch.Tens
 @pytest.mark.parametrize(("k", "n"), SHAPES)
 def test_bf16_gemm_matches_an_exact_matmul(dtype, k, n):
     w = random_weight(k, n)
-    for m in (*range(1, 10), 19):  # one token to more than a block's worth
+    for m in (*range(1, 10), 19):  # odd and even counts (2x2 tiles and their tails), and 19
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
         check_bf16_against_reference(torch.ops.kiln.bf16_gemm(x, w), x, w)
 

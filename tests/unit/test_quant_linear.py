@@ -168,7 +168,7 @@ def test_int8_kernel_declines_fp32_and_large_batches():
 def test_many_bf16_tokens_multiply_in_fp32_where_bf16_matmul_is_emulated(monkeypatch):
     """Past the int8 kernels' token counts, bf16 steps on CPUs without bf16 arithmetic (AVX2)
     multiply the dequantized fp32 weights in fp32 and round once; elsewhere they keep the
-    bf16 reference. Both within bf16 rounding of the exact product."""
+    bf16 reference."""
     from kiln.quant import linear as quant_linear
 
     monkeypatch.setenv("KILN_INT8_VNNI", "0")  # the plain rows' routing on every CPU

@@ -176,7 +176,7 @@ void bf16_rows_dot(const float*, const float* xf, int64_t, const at::BFloat16* w
 constexpr bool kBf16GemmVectorized = false;
 #endif
 
-// y[m, n] for tokens [m0, m0 + T) and rows [n, n + R), written as T_out.
+// y[m, n] for tokens [m0, m0 + T) and rows [n, n + R), written as Y.
 template <typename Y, int T, int R>
 inline void bf16_tile(const float* xs, const float* xf, int64_t half, const at::BFloat16* w,
                       int64_t n, int64_t m0, Y* y, int64_t N, int64_t K) {
