@@ -200,10 +200,18 @@ class QuantLinearMethod:
         """x2 [M, in] @ W^T: subclasses override this with a kernel where one runs."""
         return self.dequantized_matmul(layer, x2)
 
-    def dequantized_matmul(self, layer: Linear, x2: torch.Tensor) -> torch.Tensor:
-        tiles = [F.linear(x2, self.dequantize_rows(layer, rows).to(x2.dtype))
-                 for rows in self.row_tiles(layer)]
-        return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-1)
+    def dequantized_matmul(self, layer: Linear, x2: torch.Tensor,
+                           fp32: bool = False) -> torch.Tensor:
+        """x2 @ W^T, W dequantized a row tile at a time and rounded to x2's dtype; with `fp32`
+        the fp32 tiles multiply x2 widened to fp32, rounded once at the end."""
+        if fp32:
+            tiles = [F.linear(x2.float(), self.dequantize_rows(layer, rows))
+                     for rows in self.row_tiles(layer)]
+        else:
+            tiles = [F.linear(x2, self.dequantize_rows(layer, rows).to(x2.dtype))
+                     for rows in self.row_tiles(layer)]
+        y = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-1)
+        return y.to(x2.dtype)
 
     def row_tiles(self, layer: Linear) -> Iterator[slice]:
         step = max(1, self.tile_elements // layer.in_features)
@@ -301,13 +309,12 @@ class Int8LinearMethod(QuantLinearMethod):
         y = int8_gemv_mm(x2, layer.weight, layer.weight_scale)
         if y is None:
             y = int8_weight_only_mm(x2, layer.weight, layer.weight_scale)
-        if y is None and x2.dtype == torch.bfloat16 and bf16_matmul_emulated():
-            # no bf16 arithmetic (AVX2): torch's emulated bf16 matmul made a 128-token prefill
-            # 1.8 s on Zen 3; the fp32 tiles through fp32 GEMM, rounded once, take 0.33 s
-            tiles = [F.linear(x2.float(), self.dequantize_rows(layer, rows))
-                     for rows in self.row_tiles(layer)]
-            y = (tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-1)).to(x2.dtype)
-        return self.dequantized_matmul(layer, x2) if y is None else y
+        if y is not None:
+            return y
+        # no bf16 arithmetic (AVX2): torch's emulated bf16 matmul made a 128-token prefill
+        # 1.8 s on Zen 3; the fp32 tiles through fp32 GEMM, rounded once, take 0.33 s
+        return self.dequantized_matmul(
+            layer, x2, fp32=x2.dtype == torch.bfloat16 and bf16_matmul_emulated())
 
     def apply_fp32(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """Weight-only: kiln's int8 kernel at any token count (fp32 sums written as fp32,
